@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# CI stage: the whole test suite against an ASan + UBSan build of the extension.
+#
+#   bash .ci/sanitize.sh            # from the repository root (or anywhere inside it)
+#
+# What it does, and why:
+#  1. Copies the checkout (tracked + untracked-but-not-ignored files, no build outputs) into a
+#     throwaway directory, so the developer's in-place build is never replaced by an
+#     instrumented one.
+#  2. Builds the extension there with LORA_CFLAGS="-fsanitize=address,undefined
+#     -fno-omit-frame-pointer" (build.py adds LORA_CFLAGS to compile and link flags), and checks
+#     the result really links the ASan runtime.
+#  3. Runs `pytest tests` with the ASan runtime preloaded (CPython itself is not instrumented, so
+#     libasan must be first in the process), PYTHONMALLOC=malloc (Python objects go through
+#     ASan's allocator too), CI=1 (hypothesis' bounded CI profile) and LORA_UNDER_ASAN=1 (the few
+#     tests that cannot run under ASan skip themselves with that reason; see tests/).
+#  4. Runs tests/valgrind_smoke.py once per ISA path this CPU supports (LORA_ISA=scalar, avx2,
+#     avx512): pytest exercises only the best path unless a test forces one, and the AVX-512
+#     path is covered by nothing else (valgrind cannot execute it).
+#
+# Sanitizer settings:
+#  - ASAN_OPTIONS detect_leaks=0: CPython never frees its interned objects and module state, so
+#    LeakSanitizer would print thousands of "leaks" that are not ours.  The extension's own
+#    ownership (lora_delta_new/free through ffi.gc) is simple enough to check by reading.
+#  - allocator_may_return_null=1: a failed or absurd allocation returns NULL as it would in
+#    production, so the library's own MemoryError paths run instead of ASan aborting.
+#  - UBSAN_OPTIONS halt_on_error=1:print_stacktrace=1, and -fno-sanitize-recover=undefined, so
+#    the first undefined behaviour stops the process.
+#  - Every report goes to a log file under the work directory (log_path), also from
+#    subprocesses (fuzz workers, fork children) whose stderr a test might swallow.  The stage
+#    fails when any such file exists, and prints them.
+#
+# Environment: PYTHON (default: python3) must have numpy, cffi, ml_dtypes, safetensors, gguf,
+# pytest and hypothesis; when it lacks any, a throwaway venv with them is created.  CC (default
+# gcc) must be able to -fsanitize=address,undefined.  SANITIZE_KEEP=1 keeps the work directory.
+# Takes about 2-4 minutes on 2 cores (most of it the build and the fuzz tests).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+CC_BIN="${CC:-gcc}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/lora-sanitize.XXXXXX")"
+cleanup() { if [ "${SANITIZE_KEEP:-0}" = 1 ]; then echo "kept $WORK"; else rm -rf "$WORK"; fi; }
+trap cleanup EXIT
+start=$SECONDS
+log() { printf '[sanitize %4ds] %s\n' "$((SECONDS - start))" "$*"; }
+
+# --- 1. a clean copy of the checkout ---------------------------------------------------------
+mkdir -p "$WORK/src" "$WORK/logs"
+if git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
+    (cd "$ROOT" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$WORK/src"
+else
+    (cd "$ROOT" && tar --exclude=build --exclude='*.so' --exclude='.venv*' -cf - .) | tar -xf - -C "$WORK/src"
+fi
+
+# --- 2. Python with the test dependencies ----------------------------------------------------
+DEPS_IMPORT="import numpy, cffi, ml_dtypes, safetensors, gguf, pytest, hypothesis, setuptools"
+if ! "$PY" -c "$DEPS_IMPORT" >/dev/null 2>&1; then
+    log "$PY lacks test dependencies; creating a throwaway venv"
+    "$PY" -m venv "$WORK/venv"
+    "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check \
+        numpy cffi ml_dtypes safetensors gguf pytest hypothesis threadpoolctl setuptools
+    PY="$WORK/venv/bin/python"
+fi
+
+# --- 3. the instrumented build ---------------------------------------------------------------
+SAN_FLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g"
+log "building with LORA_CFLAGS='$SAN_FLAGS'"
+(cd "$WORK/src" && CC="$CC_BIN" LORA_CFLAGS="$SAN_FLAGS" "$PY" setup.py -q build_ext --inplace --force) \
+    >"$WORK/build.log" 2>&1 || { cat "$WORK/build.log"; log "FAIL: instrumented build"; exit 1; }
+SO="$(ls "$WORK"/src/lora/_lora_cffi*.so)"
+if ! ldd "$SO" | grep libasan >/dev/null; then
+    ldd "$SO"; log "FAIL: $SO does not link libasan: LORA_CFLAGS did not reach the build"; exit 1
+fi
+ASAN_RT="$("$CC_BIN" -print-file-name=libasan.so)"
+[ -e "$ASAN_RT" ] || { log "FAIL: no ASan runtime at '$ASAN_RT'"; exit 1; }
+
+san_env=(
+    env
+    "LD_PRELOAD=$ASAN_RT"
+    "ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:halt_on_error=1:abort_on_error=0:log_path=$WORK/logs/asan"
+    "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$WORK/logs/ubsan"
+    "PYTHONMALLOC=malloc"
+    "PYTHONPATH=$WORK/src"
+    "PYTHONDONTWRITEBYTECODE=1"
+    "LORA_UNDER_ASAN=1"
+    "CI=1"
+)
+
+reports() { find "$WORK/logs" -type f | sort; }
+
+# --- canary: the instrumentation must be alive, or "zero reports" means nothing ---------------
+# lora_delta_export told to write a 4x8 delta into 4-float buffers: a heap-buffer-overflow inside
+# the extension that ASan must report (the Python layer never makes such a call).
+mkdir -p "$WORK/canary"
+canary_env=("${san_env[@]}" "ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:log_path=$WORK/canary/asan")
+(cd "$WORK/src" && "${canary_env[@]}" "$PY" -c '
+import numpy as np, lora
+from lora._lora_cffi import ffi, lib
+d = lora.LoraDelta(np.ones((4, 8), np.float32), np.ones((8, 4), np.float32))
+small = ffi.new("float[4]")
+lib.lora_delta_export(d._ptr, small, small)
+') >/dev/null 2>&1 && true
+if ! grep -qs "heap-buffer-overflow" "$WORK"/canary/asan.*; then
+    log "FAIL: the ASan canary was not reported: the sanitizer runtime is not active"; exit 1
+fi
+log "canary: ASan reports a deliberate overflow in the extension (instrumentation is live)"
+
+# --- 4. the test suite -----------------------------------------------------------------------
+status=0
+log "pytest tests (ASan+UBSan, $("${san_env[@]}" "$PY" -c 'import lora; print(lora.kernel_info()["isa"])' 2>/dev/null || echo '?'))"
+(cd "$WORK/src" && "${san_env[@]}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests) \
+    || { status=$?; log "pytest exited with status $status"; }
+
+# --- 5. every ISA path through the smoke script ----------------------------------------------
+isas="$(cd "$WORK/src" && "${san_env[@]}" "$PY" -c 'import lora; print(" ".join(lora.kernel_info()["available_isas"]))')"
+for isa in $isas; do
+    log "tests/valgrind_smoke.py with LORA_ISA=$isa"
+    (cd "$WORK/src" && "${san_env[@]}" "LORA_ISA=$isa" "$PY" tests/valgrind_smoke.py) \
+        || { rc=$?; log "smoke on $isa exited with status $rc"; status=1; }
+done
+
+# --- 6. verdict ------------------------------------------------------------------------------
+n_reports="$(reports | wc -l)"
+if [ "$n_reports" -gt 0 ]; then
+    log "FAIL: $n_reports sanitizer report(s):"
+    for f in $(reports); do echo "==== $f"; cat "$f"; done
+    status=1
+fi
+log "sanitizer reports: $n_reports; ISA paths smoke-tested: ${isas}; status $status"
+exit "$status"
