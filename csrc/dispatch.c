@@ -533,14 +533,16 @@ double lora_bench_read(const float *buf, int64_t n, int64_t reps, int nthreads) 
     const lora_read_fn read = g_kt->read;
     if (nthreads < 1 || g_forked) nthreads = 1;
 #ifdef _OPENMP
+    if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads) reduction(+ : total)
-    {
-        int64_t lo, hi;
-        split_(n, omp_get_thread_num(), omp_get_num_threads(), 16, &lo, &hi);
-        for (int64_t r = 0; r < reps; r++) total += read(buf + lo, hi - lo);
+        {
+            int64_t lo, hi;
+            split_(n, omp_get_thread_num(), omp_get_num_threads(), 16, &lo, &hi);
+            for (int64_t r = 0; r < reps; r++) total += read(buf + lo, hi - lo);
+        }
+        return total;
     }
-#else
-    for (int64_t r = 0; r < reps; r++) total += read(buf, n);
 #endif
+    for (int64_t r = 0; r < reps; r++) total += read(buf, n);
     return total;
 }

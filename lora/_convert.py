@@ -189,6 +189,8 @@ def prepare_mat(x, out, cols, rows, out_what="out"):
 def as_ids(ids, what, n=None):
     """A 1-D int64 C-contiguous copy (or view) of integer ids; TypeError for bool/float ids."""
     arr = np.asarray(ids)
+    if arr.size == 0 and arr.dtype.kind == "f":
+        arr = arr.astype(I64)  # `[]` is float64 to NumPy; no id, nothing to misread
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers; got dtype {arr.dtype}")
     if arr.ndim != 1:
