@@ -202,14 +202,18 @@ def _check_finite(path, tensor, arr):
         raise _error(path, f"holds {bad} non-finite value(s) (inf or NaN)", tensor=tensor)
 
 
-def _build(pairs, *, path, name, alpha, scale, dtype, zero_alpha_note=None):
+def _build(pairs, *, path, name, alpha, scale, dtype):
     """Phase two: copy validated pairs into `LoraDelta` storage; nothing is returned on error."""
     deltas = {}
     zeroed = []
     for p in pairs:
         storage = dtype or p.storage
         try:
-            delta = LoraDelta(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora, dtype=storage)
+            # Overflow into a narrower storage dtype is refused below (the core raises
+            # ValueError); NumPy's cast warning on the way there would only repeat it.
+            with np.errstate(over="ignore"):
+                delta = LoraDelta(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                                  dtype=storage)
         except NotImplementedError:
             raise
         except (ValueError, TypeError) as exc:
@@ -246,7 +250,8 @@ _PEFT_REFUSED = {
     "alora_invocation_tokens": "activated LoRA (aLoRA) applies the delta only after its invocation "
                                "tokens; this library applies a delta everywhere",
     "use_qalora": "QA-LoRA pools the input before lora_A; not a plain LoRA delta",
-    "use_bdlora": "block-diagonal LoRA is not a plain LoRA delta",
+    "use_bdlora": "BD-LoRA (use_bdlora) is not a plain LoRA delta",
+    "arrow_config": "Arrow routes each token among several LoRA experts; not one plain delta",
     "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
     "modules_to_save": "modules_to_save stores fully fine-tuned modules, not LoRA deltas",
     "trainable_token_indices": "trainable tokens store replaced embedding rows, not LoRA deltas",
@@ -282,7 +287,8 @@ def _is_gguf(path):
 
 def _peft_config(cfg_path):
     if not cfg_path.exists():
-        raise _error(cfg_path, "missing: a PEFT adapter needs its adapter_config.json beside the weights")
+        raise _error(cfg_path, "missing: a PEFT adapter needs its adapter_config.json "
+                     "beside the weights")
     try:
         with open(cfg_path, encoding="utf-8") as fh:
             cfg = json.load(fh)
@@ -324,8 +330,8 @@ def _peft_config(cfg_path):
             if ok and integer:
                 ok = float(v).is_integer() and v > 0
             if not ok:
-                raise _error(cfg_path, f"entry {k!r} must be {'a positive integer' if integer else 'a finite number'}, "
-                             f"got {v!r}", key=key)
+                want = "a positive integer" if integer else "a finite number"
+                raise _error(cfg_path, f"entry {k!r} must be {want}, got {v!r}", key=key)
             try:
                 re.compile(k)
             except re.error as exc:
@@ -415,7 +421,8 @@ def _peft_parse(weights_path, cfg_path):
         if m.group("adapter") is not None:
             adapter_names.add(m.group("adapter"))
             if len(adapter_names) > 1:
-                raise _error(weights_path, f"holds several adapters ({', '.join(sorted(adapter_names))}); "
+                names = ", ".join(sorted(adapter_names))
+                raise _error(weights_path, f"holds several adapters ({names}); "
                              "save one adapter per directory", tensor=key)
         if module not in halves:
             halves[module] = {}
