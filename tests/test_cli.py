@@ -16,13 +16,14 @@ import _adapter_files as af
 FIXTURES = Path(__file__).parent / "fixtures"
 PEFT_DIR = FIXTURES / "peft_r8_alpha16"
 GGUF_LORA = FIXTURES / "gguf" / "lora_r8_alpha16_f32.gguf"
-REPO = Path(__file__).resolve().parent.parent
+# the directory holding the `lora` this test imported (installed, editable or built in place),
+# so the subprocess runs the very same package
+LORA_ROOT = Path(lora.__file__).resolve().parent.parent
 
 
 def _run(*args):
     env = dict(os.environ)
-    # the package under test, whether it is installed or only built in place
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(LORA_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     return subprocess.run([sys.executable, "-m", "lora", *map(str, args)], capture_output=True,
                           text=True, env=env, timeout=120)
 
