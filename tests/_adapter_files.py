@@ -161,3 +161,16 @@ def poison_q8_0_scale(path, tensor_name):
     data[offset:offset + 2] = np.array([np.inf], np.float16).tobytes()
     path.write_bytes(bytes(data))
     return path
+
+
+def patch_gguf_array_len(path, key, n):
+    """Overwrite the element count of a metadata array (the stock reader loops over it)."""
+    reader = GGUFReader(str(path))
+    field = reader.fields[key]
+    # parts: key length, key bytes, value type, element type, element count, elements...
+    offset = int(field.offset) + sum(int(part.nbytes) for part in field.parts[:4])
+    del reader, field
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 8] = struct.pack("<Q", n)
+    path.write_bytes(bytes(data))
+    return path

@@ -889,6 +889,14 @@ def test_gguf_refuses_a_tensor_declared_larger_than_the_file(tmp_path):
     _assert_format_error(lambda: load_gguf(path), path, "blk.0.attn_q.weight.lora_a")
 
 
+def test_gguf_refuses_a_metadata_array_longer_than_the_file(tmp_path):
+    """The stock reader would loop 2**60 times over this count of one-byte (bool) elements,
+    reading zero bytes each time once past the end."""
+    path = af.write_gguf(tmp_path / "arr.gguf", _gguf_ok(), extra_kv={"test.flags": [True, False]})
+    af.patch_gguf_array_len(path, "test.flags", 1 << 60)
+    _assert_format_error(lambda: load_gguf(path), path, "not a readable GGUF", "the file ends")
+
+
 def test_gguf_refuses_a_pair_missing_one_half(tmp_path):
     tensors = [t for t in _gguf_ok() if t[0] != "blk.0.attn_q.weight.lora_a"]
     path = af.write_gguf(tmp_path / "half.gguf", tensors)
