@@ -569,10 +569,11 @@ class _GGUFTensorError(Exception):
 def _strict_reader_class():
     """`gguf.GGUFReader` whose reads must lie inside the file.
 
-    The stock reader slices its memory map, so a count or size larger than the file quietly
-    yields a short view (and a huge metadata array count loops without end).  Checking every read
-    against the file makes a truncated file, or one that declares a huge tensor, fail at the first
-    read past the end -- before anything is allocated.  Tensors are mapped one at a time so that
+    The stock reader slices its memory map without bounds checks: a size past the end yields a
+    short view that fails later with an unrelated message, and a huge count of one-byte metadata
+    elements loops without end.  Checking every read against the file makes a truncated file, or
+    one that declares a huge tensor or array, fail at the first read past the end -- before
+    anything is allocated.  Tensors are mapped one at a time so that
     such a failure names its tensor.
     """
     from gguf import GGUFReader
@@ -614,7 +615,7 @@ def _gguf_str(reader, key):
     return field.contents()
 
 
-def _gguf_array(reader, tensor, path):
+def _gguf_array(tensor, path):
     """The tensor's values as a NumPy array in numpy shape (GGUF ``ne`` reversed)."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
@@ -755,7 +756,7 @@ def load_gguf(path, *, scale=1.0, dtype=None):
         arrays = []
         for t in (ta, tb):
             try:
-                arr = _gguf_array(reader, t, p)
+                arr = _gguf_array(t, p)
             except LoraFormatError:
                 raise
             except Exception as exc:
