@@ -283,8 +283,10 @@ static void block_of_(const plan_ *p, int64_t blk, int64_t *start, int *nb, int6
 static int64_t position_(const plan_ *p, int64_t idx) { return p->order ? p->order[idx] : idx; }
 
 /* One block of positions through every delta of its entry, on the threads
- * tid of nt that share `t` (nt = 1: alone, no barrier).  t: nb x max_rank. */
-static void run_block_(const plan_ *p, int64_t blk, float *t, int tid, int nt, int gather) {
+ * tid of nt that share `t` (nt = 1: alone, no barrier).  t: nb x max_rank.
+ * `last`: no block follows, so the region's own closing barrier suffices. */
+static void run_block_(const plan_ *p, int64_t blk, float *t, int tid, int nt, int gather,
+                       int last) {
     int64_t start, entry;
     int nb;
     block_of_(p, blk, &start, &nb, &entry);
@@ -326,7 +328,8 @@ static void run_block_(const plan_ *p, int64_t blk, float *t, int tid, int nt, i
         split_(d->rows, tid, nt, 16, &lo, &hi);
         if (lo < hi) p->kt->accumulate[d->dtype](d->bt, d->ldb, r, lo, hi, nb, t, r, outs);
 #ifdef _OPENMP
-        if (nt > 1) {
+        /* t is reused by the next delta or block: wait until every thread is done with it */
+        if (nt > 1 && !(last && q + 1 == p->first[entry + 1])) {
 #pragma omp barrier
         }
 #endif
@@ -364,19 +367,20 @@ static int run_plan_(const plan_ *p, int gather) {
     }
 
     if (nt == 1) {
-        for (int64_t blk = 0; blk < p->nblk; blk++) run_block_(p, blk, scratch, 0, 1, gather);
+        for (int64_t blk = 0; blk < p->nblk; blk++) run_block_(p, blk, scratch, 0, 1, gather, 1);
     }
 #ifdef _OPENMP
     else if (by_block) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t blk = 0; blk < p->nblk; blk++)
-            run_block_(p, blk, scratch + per_thread * omp_get_thread_num(), 0, 1, gather);
+            run_block_(p, blk, scratch + per_thread * omp_get_thread_num(), 0, 1, gather, 1);
     } else {
 #pragma omp parallel num_threads(nt)
         {
             const int tid = omp_get_thread_num(), team = omp_get_num_threads();
             float *t = gather ? scratch + per_thread * tid : scratch;
-            for (int64_t blk = 0; blk < p->nblk; blk++) run_block_(p, blk, t, tid, team, gather);
+            for (int64_t blk = 0; blk < p->nblk; blk++)
+                run_block_(p, blk, t, tid, team, gather, blk + 1 == p->nblk);
         }
     }
 #endif
@@ -529,14 +533,16 @@ double lora_bench_read(const float *buf, int64_t n, int64_t reps, int nthreads) 
     const lora_read_fn read = g_kt->read;
     if (nthreads < 1 || g_forked) nthreads = 1;
 #ifdef _OPENMP
+    if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads) reduction(+ : total)
-    {
-        int64_t lo, hi;
-        split_(n, omp_get_thread_num(), omp_get_num_threads(), 16, &lo, &hi);
-        for (int64_t r = 0; r < reps; r++) total += read(buf + lo, hi - lo);
+        {
+            int64_t lo, hi;
+            split_(n, omp_get_thread_num(), omp_get_num_threads(), 16, &lo, &hi);
+            for (int64_t r = 0; r < reps; r++) total += read(buf + lo, hi - lo);
+        }
+        return total;
     }
-#else
-    for (int64_t r = 0; r < reps; r++) total += read(buf, n);
 #endif
+    for (int64_t r = 0; r < reps; r++) total += read(buf, n);
     return total;
 }

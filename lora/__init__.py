@@ -13,6 +13,7 @@ from ._runtime import __version__, get_num_threads, kernel_info, set_num_threads
 from .bank import LoraBank
 from .delta import LoraDelta, LoraStack
 from .errors import LoraFormatError, LoraShapeError
+from .loaders import LoraAdapter, load_gguf, load_peft
 from .scale import LoraScale
 
 __all__ = [
@@ -22,6 +23,9 @@ __all__ = [
     "LoraDelta",
     "LoraStack",
     "LoraBank",
+    "LoraAdapter",
+    "load_peft",
+    "load_gguf",
     "set_num_threads",
     "get_num_threads",
     "kernel_info",

@@ -79,13 +79,14 @@ def to_storage(arr, name, what):
     if not np.isfinite(wide).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(wide))[0])
         raise ValueError(f"{what} has a non-finite value ({wide[bad]}) at index {bad}")
-    if name == "float32":
-        out = wide.astype(np.float32)
-    elif name == "float16":
-        out = wide.astype(np.float16)  # NumPy rounds float64/float32 -> float16 directly, RNE
-    else:
-        src = _round_to_odd_f32(wide) if wide.dtype == np.float64 else wide
-        out = src.astype(BF16)
+    with np.errstate(over="ignore"):  # an overflow is reported below, as a ValueError
+        if name == "float32":
+            out = wide.astype(np.float32)
+        elif name == "float16":
+            out = wide.astype(np.float16)  # NumPy rounds float64/float32 -> float16 directly, RNE
+        else:
+            src = _round_to_odd_f32(wide) if wide.dtype == np.float64 else wide
+            out = src.astype(BF16)
     if not np.isfinite(out.astype(np.float32)).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(out.astype(np.float32)))[0])
         limit = float(np.finfo(np.float32).max) if name == "float32" else (
@@ -189,6 +190,8 @@ def prepare_mat(x, out, cols, rows, out_what="out"):
 def as_ids(ids, what, n=None):
     """A 1-D int64 C-contiguous copy (or view) of integer ids; TypeError for bool/float ids."""
     arr = np.asarray(ids)
+    if arr.size == 0 and arr.dtype.kind == "f":
+        arr = arr.astype(I64)  # `[]` is float64 to NumPy; no id, nothing to misread
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers; got dtype {arr.dtype}")
     if arr.ndim != 1:

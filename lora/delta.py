@@ -186,7 +186,17 @@ class LoraDelta:
         or row-strided (``strides[-1] == 4``, e.g. ``qkv[:, :d]``), written in place.  Row b is
         bit-identical to ``add_to(x[b], out[b])``.
         """
-        x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
+        if (type(x) is _ndarray and type(out) is _ndarray and x.dtype is _F32
+                and out.dtype is _F32 and out.ndim == 2 and out.shape[1] == self._rows
+                and x.shape == (out.shape[0], self._cols)):
+            try:  # C-contiguous float32 of the right shapes: no conversion, no copy
+                xp, ldx = _from_buffer(x), self._cols
+                op, ldo = _from_buffer(out, require_writable=True), self._rows
+                batch = out.shape[0]
+            except ValueError:
+                x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
+        else:
+            x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
         if batch:
             status = _lora_add_batch(self._ptr, self._scale._value * self._alpha_factor, batch, xp,
                                      ldx, op, ldo)
