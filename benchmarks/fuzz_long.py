@@ -31,6 +31,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+try:  # an installed lora-kernels, else the checkout this script lives in (built in place)
+    import lora  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT))
 
 
 def main():
