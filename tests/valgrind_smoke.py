@@ -229,6 +229,34 @@ def exercise_threads(rng):
     close(results[0][0], ref_add(d, x), "threaded batch")
 
 
+def exercise_heap_paths(rng):
+    """The drivers' heap fallbacks: rank above the on-stack scratch (512), a bank plan above its
+    on-stack size (256 positions, 16 entries), and the by-block threaded path (many blocks)."""
+    lora.set_num_threads(1 << 20)
+    d = lora.LoraDelta(rng.standard_normal((600, 17)), rng.standard_normal((33, 600)),
+                       dtype="float16")
+    x = rng.standard_normal((9, 17)).astype(np.float32)
+    close(d.add_batch_to(x, np.zeros((9, 33), np.float32)), ref_add(d, x), "rank 600 batch")
+    close(d.add_to(x[0], np.zeros(33, np.float32)), ref_add(d, x[0]), "rank 600 decode")
+    ids = rng.integers(0, 33, size=9)
+    close(d.add_rows_to(ids, np.zeros((9, 17), np.float32)), ref_rows(d, ids), "rank 600 rows")
+    entries = [lora.LoraDelta(rng.standard_normal((1 + i % 5, 17)),
+                              rng.standard_normal((33, 1 + i % 5))) for i in range(20)]
+    bank = lora.LoraBank(entries + [None])
+    aid = rng.integers(-1, len(entries) + 1, size=301)
+    xb = rng.standard_normal((301, 17)).astype(np.float32)
+    want = np.stack([ref_add(entries[i], xb[b]) if 0 <= i < len(entries) else np.zeros(33)
+                     for b, i in enumerate(aid)])
+    close(bank.add_batch_to(xb, np.zeros((301, 33), np.float32), aid), want, "bank of 301")
+    tok = rng.integers(0, 33, size=301)
+    want = np.stack([ref_rows(entries[i], [tok[b]])[0] if 0 <= i < len(entries) else np.zeros(17)
+                     for b, i in enumerate(aid)])
+    close(bank.add_rows_to(tok, np.zeros((301, 17), np.float32), aid), want, "bank rows of 301")
+    big = lora.LoraDelta(rng.standard_normal((16, 1031)), rng.standard_normal((515, 16)))
+    xs = rng.standard_normal((41, 1031)).astype(np.float32)  # 11 blocks: threads take blocks
+    close(big.add_batch_to(xs, np.zeros((41, 515), np.float32)), ref_add(big, xs), "by-block")
+
+
 def exercise_loaders():
     """load_peft / load_gguf on the upstream fixtures, when the loaders are present."""
     if not hasattr(lora, "load_peft"):
@@ -243,6 +271,16 @@ def exercise_loaders():
         name, d = next(iter(ad.items()))
         ad.check_base({k: v.base_shape for k, v in ad.items()})
         d.add_to(np.ones(d.cols, np.float32), np.zeros(d.rows, np.float32))
+    # the command line, in process: info, inspect of both formats, a bad file (exit 2)
+    import io
+
+    from lora.__main__ import main as cli
+
+    sink = io.StringIO()
+    check(cli(["info"], out=sink, err=sink) == 0, "python -m lora info")
+    for path in (FIXTURES / "peft_r8_alpha16", FIXTURES / "gguf" / "lora_r8_alpha16_f32.gguf"):
+        check(cli(["inspect", str(path)], out=sink, err=sink) == 0, f"inspect {path.name}")
+    check(cli(["inspect", str(FIXTURES / "README.md")], out=sink, err=sink) == 2, "inspect bad")
     # a truncated copy must be refused cleanly
     with tempfile.TemporaryDirectory() as tmp:
         src = (FIXTURES / "gguf" / "lora_r8_alpha16_f32.gguf").read_bytes()
@@ -273,6 +311,7 @@ def main(argv):
         exercise_combined(rng, dtype)
     exercise_errors(rng)
     exercise_threads(rng)
+    exercise_heap_paths(rng)
     exercise_loaders()
     print(f"valgrind_smoke: isa={isa} threads={lora.get_num_threads()} checks={checks} ok")
     return 0
