@@ -10,7 +10,8 @@ address-space limit) with ``LORA_FUZZ_EXAMPLES`` examples each and its own hypot
 (``--seed`` + round number, so a failing round can be replayed with ``pytest
 tests/test_fuzz_files.py -k fuzz --hypothesis-seed=N``), then the fixed corpus.  Rounds repeat
 until ``--minutes`` have passed or ``--rounds`` are done, and stop at the first failing round
-(hypothesis has shrunk it by then; pytest's output shows the minimal file).
+(hypothesis has shrunk it by then; pytest's output shows the minimal mutation) unless
+``--keep-going``.
 
 At the end it prints what was tried: loads per format, and how each ended -- loaded, refused
 with LoraFormatError, another clean exception (by type), or the failures that must stay at 0:
@@ -43,6 +44,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=0, help="at most this many rounds (0: no cap)")
     ap.add_argument("--examples", type=int, default=5000, help="examples per test per round")
     ap.add_argument("--seed", type=int, default=0, help="hypothesis seed of the first round")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="run the next round after a failing one (failures are still counted)")
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args()
 
@@ -59,7 +62,7 @@ def main():
     env = dict(os.environ, LORA_FUZZ_EXAMPLES=str(args.examples), LORA_FUZZ_STATS=str(stats))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     start = time.monotonic()
-    rounds, status = 0, 0
+    rounds, status, failed_rounds = 0, 0, []
     while True:
         seed = args.seed + rounds
         t0 = time.monotonic()
@@ -75,7 +78,9 @@ def main():
             print(proc.stdout[-20000:])
             print(proc.stderr[-5000:])
             status = 1
-            break
+            failed_rounds.append(seed)
+            if not args.keep_going:
+                break
         if args.rounds and rounds >= args.rounds:
             break
         if time.monotonic() - start > args.minutes * 60:
@@ -101,6 +106,8 @@ def main():
         print(f"    {kind}: {n} x {typ}")
     bad = sum(counts[(k, o)] for k in ("peft", "gguf") for o in ("crash", "hang", "memory_error"))
     print(f"crashes + hangs + MemoryErrors: {bad}")
+    if failed_rounds:
+        print(f"failing rounds (hypothesis seeds): {failed_rounds}")
     return 1 if status or bad else 0
 
 
