@@ -5,6 +5,7 @@
  * Packed storage (chosen at construction, see lora_delta_new):
  *   a  = lora_a [rank, lda]  row-major, lda  = cols rounded up to 32, zero pad
  *   bt = lora_b^T [rank, ldb], ldb = rows rounded up to 32, zero pad
+ *   (+16 more when that is a multiple of 256, so rows do not alias in L1)
  * so both hot loops stream unit-stride rows of 64-byte aligned memory: the
  * projection reads rows of A against x, the accumulation reads rows of B^T
  * (one per rank index) into a strip of outputs, and the token gather reads
@@ -33,7 +34,7 @@
 #define LORA_HAVE_X86 1
 #endif
 
-#define LORA_NB 4          /* positions per kernel call */
+#define LORA_NB 4          /* positions per kernel call (8 measured slower) */
 #define LORA_PAD 32        /* lda / ldb are multiples of this (64 B for 16-bit, 128 B for f32) */
 #define LORA_ALIGN 64
 

@@ -143,11 +143,17 @@ INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0
 
 INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                          int nb, const float *u, int64_t ldu, float *const *outs, const int dt) {
-    switch (nb) {  /* constant nb lets the compiler keep every accumulator in a register */
-    case 1: accumulate_nb_(m, ldm, kdim, i0, i1, 1, u, ldu, outs, dt); break;
-    case 2: accumulate_nb_(m, ldm, kdim, i0, i1, 2, u, ldu, outs, dt); break;
-    case 3: accumulate_nb_(m, ldm, kdim, i0, i1, 3, u, ldu, outs, dt); break;
-    default: accumulate_nb_(m, ldm, kdim, i0, i1, 4, u, ldu, outs, dt); break;
+    /* positions in groups of up to 4 (8 chains); a constant group size lets
+     * the compiler keep every accumulator in a register */
+    for (int b = 0; b < nb; b += 4) {
+        const float *ub = u + b * ldu;
+        float *const *ob = outs + b;
+        switch (nb - b) {
+        case 1: accumulate_nb_(m, ldm, kdim, i0, i1, 1, ub, ldu, ob, dt); break;
+        case 2: accumulate_nb_(m, ldm, kdim, i0, i1, 2, ub, ldu, ob, dt); break;
+        case 3: accumulate_nb_(m, ldm, kdim, i0, i1, 3, ub, ldu, ob, dt); break;
+        default: accumulate_nb_(m, ldm, kdim, i0, i1, 4, ub, ldu, ob, dt); break;
+        }
     }
 }
 
