@@ -3,12 +3,15 @@ names the expected and the actual value, and leaves `out` (and `w`) exactly as i
 the effective scale is 0 ("Validation always runs")."""
 
 import math
+import os
+import subprocess
+import warnings
 
 import numpy as np
 import pytest
 
 import lora
-from conftest import assert_same_bits, rand
+from conftest import ISAS, PYTHON, assert_same_bits, rand, subprocess_env
 
 try:
     import ml_dtypes
@@ -544,9 +547,55 @@ def test_storage_overflow_is_a_value_error_even_with_warnings_as_errors():
     """The overflow check must not go through a NumPy cast warning: under
     ``-W error`` (or pytest's ``filterwarnings = error``) the caller still gets the documented
     ValueError, not a RuntimeWarning raised from inside the conversion."""
-    import warnings
     for dtype, big in (("float16", 70000.0), ("bfloat16", 1e39), ("float32", 1e39)):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with pytest.raises(ValueError, match="overflow"):
                 lora.LoraDelta(np.full((2, 4), big), np.ones((3, 2)), dtype=dtype)
+
+
+def test_unrepresentable_alpha_and_scale_are_value_errors():
+    """An alpha or scale too large for a float (e.g. the int 10**400) is not finite as a float:
+    the documented ValueError, not an OverflowError (which is no ValueError)."""
+    a, b = np.ones((2, 4)), np.ones((3, 2))
+    with pytest.raises(ValueError):
+        lora.LoraScale(10**400)
+    with pytest.raises(ValueError):
+        lora.LoraDelta(a, b, scale=10**400)
+    with pytest.raises(ValueError):
+        lora.LoraDelta(a, b, alpha=10**400)
+    s = lora.LoraScale(0.5)
+    with pytest.raises(ValueError):
+        s.set(-10**400)
+    assert s.value == 0.5
+
+
+# ------------------------------------------------------------- no crashes
+
+CRASH_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_crash_inputs.py")
+
+
+@pytest.fixture(scope="module")
+def crash_runs():
+    runs = {}
+    for name in ISAS:
+        runs[name] = subprocess.run([PYTHON, CRASH_SCRIPT], env=subprocess_env(LORA_ISA=name),
+                                    capture_output=True, text=True, timeout=300)
+    return runs
+
+
+def test_bad_inputs_never_crash(crash_runs):
+    """Every bad and nasty input (huge ids, int64 min, uint64 max, zero-size batches, 0-d arrays,
+    big-endian float32, misaligned and broadcast arrays, ...) on every ISA path: the child
+    interpreter finishes normally — no segfault, abort or hang."""
+    for name, p in crash_runs.items():
+        assert p.returncode == 0, (name, p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+        assert p.stdout.strip().splitlines()[-1].startswith("DONE "), (name, p.stdout[-2000:])
+
+
+def test_bad_inputs_raise_documented_types_and_keep_out(crash_runs):
+    """...and each one either works or raises TypeError/ValueError/IndexError with `out`
+    untouched."""
+    for name, p in crash_runs.items():
+        bad = [ln for ln in p.stdout.splitlines() if ln.startswith(("UNEXPECTED", "CHANGED"))]
+        assert not bad, (name, bad)
