@@ -12,13 +12,16 @@
  *               j = l (mod 16), ascending, the last partial vector loaded
  *               with a mask (masked-off lanes add 0*0); reduce16 is GCC's
  *               _mm512_reduce_add_ps tree (halves 256, 128, 64, 32 bits).
- *   accumulate  out[i] = out[i] + fma-chain from 0 over k ascending of
- *               M[k,i]*u[k]; the tail is the same chain in masked lanes.
+ *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
+ *               fma-chain from 0 over k in [16m, 16m+16) ascending of
+ *               M[k,i]*u[k] (LORA_KBLOCK); the tail is the same in masked
+ *               lanes.
  * Tail strategy: masked loads and stores, no scalar tail.
  * Accumulators: up to 16 zmm chains per tile (FMA latency 4 x 2 ports needs
  * 8): project tiles are nr ranks x nb positions with nr = 8 for nb <= 2 and
  * 4 for nb <= 4, so one A load feeds nb positions and one x load nr ranks;
- * accumulate tiles are nv row vectors x nb positions, nv likewise.
+ * accumulate tiles are nv row vectors x nb positions, nv * nb = 8 block
+ * chains (each with its running total over rank blocks).
  * Project walks columns in 512-wide chunks so the nb x rows stay in L1
  * across rank tiles (see project_nb_).
  */
@@ -128,28 +131,34 @@ INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int6
 }
 
 /* outputs i .. i + 16*nv of nb positions (the last vector masked by `last`);
- * nv * nb <= 16 accumulators */
+ * nv * nb <= 8 block sums + 8 running totals + nv + 1 operands <= 25 zmm */
 INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                               __mmask16 last, const int nb, const float *u, int64_t ldu,
                               float *const *outs, const int dt) {
-    __m512 acc_f32x16[16];
-    for (int q = 0; q < nv * nb; q++) acc_f32x16[q] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kdim; k++) {
-        __m512 m_f32x16[8];
-        for (int v = 0; v < nv; v++)
-            m_f32x16[v] = v == nv - 1 ? load_masked_f32x16_(m, k * ldm + i + 16 * v, last, dt)
-                                      : load_f32x16_(m, k * ldm + i + 16 * v, dt);
-        for (int b = 0; b < nb; b++) {
-            const __m512 u_f32x16 = _mm512_set1_ps(u[b * ldu + k]);
+    __m512 total_f32x16[8] = {_mm512_setzero_ps()}, block_f32x16[8];
+    for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+        const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
+        for (int q = 0; q < nv * nb; q++) block_f32x16[q] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) {
+            __m512 m_f32x16[8];
             for (int v = 0; v < nv; v++)
-                acc_f32x16[v * nb + b] = _mm512_fmadd_ps(m_f32x16[v], u_f32x16, acc_f32x16[v * nb + b]);
+                m_f32x16[v] = v == nv - 1 ? load_masked_f32x16_(m, k * ldm + i + 16 * v, last, dt)
+                                          : load_f32x16_(m, k * ldm + i + 16 * v, dt);
+            for (int b = 0; b < nb; b++) {
+                const __m512 u_f32x16 = _mm512_set1_ps(u[b * ldu + k]);
+                for (int v = 0; v < nv; v++)
+                    block_f32x16[v * nb + b] =
+                        _mm512_fmadd_ps(m_f32x16[v], u_f32x16, block_f32x16[v * nb + b]);
+            }
         }
+        for (int q = 0; q < nv * nb; q++)
+            total_f32x16[q] = k0 == 0 ? block_f32x16[q] : _mm512_add_ps(total_f32x16[q], block_f32x16[q]);
     }
     for (int b = 0; b < nb; b++) {
         for (int v = 0; v < nv; v++) {
             float *o = outs[b] + i + 16 * v;
             const __mmask16 mask = v == nv - 1 ? last : (__mmask16)0xffff;
-            const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), acc_f32x16[v * nb + b]);
+            const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), total_f32x16[v * nb + b]);
             _mm512_mask_storeu_ps(o, mask, sum);
         }
     }
@@ -158,7 +167,7 @@ INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t 
 INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                             const int nb, const float *u, int64_t ldu, float *const *outs,
                             const int dt) {
-    const int nv = nb <= 2 ? 8 : 4;
+    const int nv = nb == 1 ? 8 : nb == 2 ? 4 : 2;
     int64_t i = i0;
     for (; i + 16 * nv <= i1; i += 16 * nv)
         accumulate_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, outs, dt);
