@@ -208,15 +208,32 @@ def as_ids(ids, what, n=None):
     return arr
 
 
+def check_shapeless(x, out, *, ndim, what="out"):
+    """The checks an empty stack or an all-None bank can still make (no rows/cols known):
+    `out` a writeable float32 array of `ndim` dims, `x` (unless None) a real float array of
+    the same batch, not overlapping `out`.  Returns `out`."""
+    if isinstance(out, np.ndarray) and out.ndim != ndim:
+        raise ValueError(f"{what} must be {ndim}-D; got shape {out.shape}")
+    check_out(out, getattr(out, "shape", ()), what)
+    if x is not None:
+        xa = float_array(x, "x")
+        if xa.ndim != ndim or (ndim == 2 and xa.shape[0] != out.shape[0]):
+            want = "[cols]" if ndim == 1 else f"[{out.shape[0]}, cols]"
+            raise ValueError(f"x must have shape {want} to match {what} {out.shape}; "
+                             f"got {xa.shape}")
+        _no_overlap(xa, out)
+    return out
+
+
 def token_id(r, rows):
-    """One token id for add_row_to: an int (not bool, not float) in [0, rows)."""
+    """One token id for add_row_to: an int (not bool, not float) in [0, rows) (rows None: >= 0)."""
     if isinstance(r, (bool, np.bool_)) or isinstance(r, (float, np.floating)):
         raise TypeError(f"token id must be an integer; got {type(r).__name__}")
     try:
         r = operator.index(r)
     except TypeError:
         raise TypeError(f"token id must be an integer; got {type(r).__name__}") from None
-    if not 0 <= r < rows:
+    if r < 0 or (rows is not None and r >= rows):
         raise IndexError(f"token id {r} is out of range [0, {rows}) for this embedding")
     return r
 

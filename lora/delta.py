@@ -113,6 +113,8 @@ class LoraDelta:
         name = cv.storage_name(dtype)
         try:
             alpha = float(alpha)
+        except OverflowError:
+            raise ValueError(f"alpha must be finite; got {alpha!r}") from None
         except (TypeError, ValueError):
             raise TypeError(f"alpha must be a real number; got {alpha!r}") from None
         if not math.isfinite(alpha):
@@ -337,16 +339,11 @@ class LoraStack:
     def _scales(self):
         return ffi.new("float[]", [d._scale._value * d._alpha_factor for d in self._deltas])
 
-    def _empty_check(self, out):
-        if not isinstance(out, np.ndarray) or out.dtype != _F32 or not out.flags.writeable:
-            cv.check_out(out, getattr(out, "shape", ()))
-        return out
 
     def add_to(self, x, out):
         """Decode: ``out[rows] += sum_i s_i * B_i (A_i x[cols])``, deltas in order; returns ``out``."""
         if not self._deltas:
-            cv.float_array(x, "x")
-            return self._empty_check(out)
+            return cv.check_shapeless(x, out, ndim=1)
         rows, cols = self.base_shape
         x, xp, op = cv.prepare_vec(x, out, cols, rows)
         status = _lora_apply_batch(1, self._first, self._ptrs, self._scales(), ffi.NULL, rows,
@@ -358,8 +355,7 @@ class LoraStack:
     def add_batch_to(self, x, out):
         """Prefill: ``out[b] += sum_i s_i * B_i (A_i x[b])``; as ``LoraDelta.add_batch_to``."""
         if not self._deltas:
-            cv.float_array(x, "x")
-            return self._empty_check(out)
+            return cv.check_shapeless(x, out, ndim=2)
         rows, cols = self.base_shape
         x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, cols, rows)
         if batch:
@@ -372,7 +368,8 @@ class LoraStack:
     def add_row_to(self, r, out_row):
         """Token embedding: ``out_row += sum_i s_i * (B_i[r] @ A_i)``; as ``LoraDelta.add_row_to``."""
         if not self._deltas:
-            return self._empty_check(out_row)
+            cv.token_id(r, None)
+            return cv.check_shapeless(None, out_row, ndim=1, what="out_row")
         rows, cols = self.base_shape
         r = cv.token_id(r, rows)
         op, _ = cv.check_out(out_row, (cols,), "out_row")
@@ -386,8 +383,12 @@ class LoraStack:
     def add_rows_to(self, ids, out):
         """Embedding rows: ``out[i] += sum_k s_k * (B_k[ids[i]] @ A_k)``; as ``LoraDelta.add_rows_to``."""
         if not self._deltas:
-            cv.as_ids(ids, "ids")
-            return self._empty_check(out)
+            cv.check_shapeless(None, out, ndim=2)
+            ids = cv.as_ids(ids, "ids", out.shape[0])
+            if ids.size and ids.min() < 0:  # out of range for every base
+                pos = int(np.argmax(ids < 0))
+                raise IndexError(f"token id {int(ids[pos])} at position {pos} is out of range")
+            return out
         rows, cols = self.base_shape
         op, ldo, n = cv.check_rows_out(out, cols)
         ids = cv.as_ids(ids, "ids", n)
