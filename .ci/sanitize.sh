@@ -24,11 +24,13 @@
 #    ownership (lora_delta_new/free through ffi.gc) is simple enough to check by reading.
 #  - allocator_may_return_null=1: a failed or absurd allocation returns NULL as it would in
 #    production, so the library's own MemoryError paths run instead of ASan aborting.
-#  - UBSAN_OPTIONS halt_on_error=1:print_stacktrace=1, and -fno-sanitize-recover=undefined, so
-#    the first undefined behaviour stops the process.
-#  - Every report goes to a log file under the work directory (log_path), also from
-#    subprocesses (fuzz workers, fork children) whose stderr a test might swallow.  The stage
-#    fails when any such file exists, and prints them.
+#  - UBSAN_OPTIONS halt_on_error=1:print_stacktrace=1 (+ a SUMMARY line naming the kind), and
+#    -fno-sanitize-recover=undefined, so the first undefined behaviour stops the process.
+#  - ASan reports go to log files under the work directory (log_path), also from subprocesses
+#    (fuzz workers, fork children) whose stderr a test might swallow.  GCC's UBSan, combined
+#    with ASan, ignores log_path, so pytest runs with --capture=sys (a report that kills the
+#    process stays visible) and the output is scanned for sanitizer SUMMARY lines, which also
+#    end the tail of a child's stderr that a failing test prints.  Any report fails the stage.
 #
 # Environment: PYTHON (default: python3) must have numpy, cffi, ml_dtypes, safetensors, gguf,
 # pytest and hypothesis; when it lacks any, a throwaway venv with them is created.  CC (default
@@ -46,7 +48,7 @@ start=$SECONDS
 log() { printf '[sanitize %4ds] %s\n' "$((SECONDS - start))" "$*"; }
 
 # --- 1. a clean copy of the checkout ---------------------------------------------------------
-mkdir -p "$WORK/src" "$WORK/logs"
+mkdir -p "$WORK/src" "$WORK/logs" "$WORK/out"
 if git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
     (cd "$ROOT" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$WORK/src"
 else
@@ -79,7 +81,7 @@ san_env=(
     env
     "LD_PRELOAD=$ASAN_RT"
     "ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:halt_on_error=1:abort_on_error=0:log_path=$WORK/logs/asan"
-    "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$WORK/logs/ubsan"
+    "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:print_summary=1:report_error_type=1"
     "PYTHONMALLOC=malloc"
     "PYTHONPATH=$WORK/src"
     "PYTHONDONTWRITEBYTECODE=1"
@@ -109,23 +111,41 @@ log "canary: ASan reports a deliberate overflow in the extension (instrumentatio
 # --- 4. the test suite -----------------------------------------------------------------------
 status=0
 log "pytest tests (ASan+UBSan, $("${san_env[@]}" "$PY" -c 'import lora; print(lora.kernel_info()["isa"])' 2>/dev/null || echo '?'))"
-(cd "$WORK/src" && "${san_env[@]}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests) \
+# --capture=sys, not pytest's default fd capture: a sanitizer writes its report to file
+# descriptor 2, and with fd capture a report that ends the process vanishes with it (checked:
+# zero lines of output).  Python-level output is still captured per test.
+(cd "$WORK/src" && "${san_env[@]}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" \
+    --capture=sys tests 2>&1 | tee "$WORK/out/pytest.log"; exit "${PIPESTATUS[0]}") \
     || { status=$?; log "pytest exited with status $status"; }
 
 # --- 5. every ISA path through the smoke script ----------------------------------------------
 isas="$(cd "$WORK/src" && "${san_env[@]}" "$PY" -c 'import lora; print(" ".join(lora.kernel_info()["available_isas"]))')"
 for isa in $isas; do
     log "tests/valgrind_smoke.py with LORA_ISA=$isa"
-    (cd "$WORK/src" && "${san_env[@]}" "LORA_ISA=$isa" "$PY" tests/valgrind_smoke.py) \
+    (cd "$WORK/src" && "${san_env[@]}" "LORA_ISA=$isa" "$PY" tests/valgrind_smoke.py 2>&1 \
+        | tee "$WORK/out/smoke-$isa.log"; exit "${PIPESTATUS[0]}") \
         || { rc=$?; log "smoke on $isa exited with status $rc"; status=1; }
 done
 
 # --- 6. verdict ------------------------------------------------------------------------------
-n_reports="$(reports | wc -l)"
+# ASan reports land in log files (log_path).  GCC's UBSan runtime, combined with ASan, ignores
+# log_path and writes to stderr, so UBSan reports are counted in the captured output by their
+# last line, "SUMMARY: UndefinedBehaviorSanitizer: <kind> <file:line>" -- the line a test that
+# prints the tail of a child process's stderr in its failure message shows too.
+n_files="$(reports | wc -l)"
+# (pytest may print one child's report several times in a failure: distinct lines are counted)
+n_stderr="$(cat "$WORK"/out/*.log | grep -o -E 'SUMMARY: (UndefinedBehavior|Address)Sanitizer: [^ ]+ [^ ]+' \
+    | sort -u | wc -l)"
+n_reports=$((n_files + n_stderr))
 if [ "$n_reports" -gt 0 ]; then
     log "FAIL: $n_reports sanitizer report(s):"
     for f in $(reports); do echo "==== $f"; cat "$f"; done
+    cat "$WORK"/out/*.log | grep -o -E 'SUMMARY: (UndefinedBehavior|Address)Sanitizer: [^ ]+ [^ ]+' \
+        | sort | uniq -c || true
     status=1
+elif [ "$status" != 0 ]; then
+    log "no sanitizer report was seen, but a check failed (above); a report from a child process"
+    log "shows only in that test's failure message"
 fi
 log "sanitizer reports: $n_reports; ISA paths smoke-tested: ${isas}; status $status"
 exit "$status"
