@@ -8,9 +8,10 @@ a call should stay within 2x of its *serial* time (one thread, idle machine) whi
 process keeps every core busy.  Measured, not asserted: the numbers depend on the machine and on
 the kernel scheduler.
 
-For each OpenMP wait policy -- the default (unset; GNU OpenMP then spins for a while at every
-barrier and at the end of every region before sleeping) and ``OMP_WAIT_POLICY=passive`` (threads
-sleep at once) -- a child process is started with that environment (libgomp reads it once, at
+For each OpenMP environment -- the default (GNU OpenMP then spins for a while at every barrier
+and at the end of every region before sleeping), ``OMP_WAIT_POLICY=passive`` (threads sleep at
+once) and ``OMP_DYNAMIC=true`` (libgomp may shrink a team when the load average says the cores
+are busy) -- a child process is started with that environment (libgomp reads it once, at
 start-up) and times, as the median of many calls:
 
 - ``serial``   one thread (``lora.set_num_threads(1)``), idle machine: the reference;
@@ -46,6 +47,12 @@ try:  # an installed lora-kernels, else the checkout this script lives in (built
     import lora  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(ROOT))
+# the environments compared, each in its own child process (libgomp reads them at start-up)
+POLICIES = {
+    "default": {},
+    "OMP_WAIT_POLICY=passive": {"OMP_WAIT_POLICY": "passive"},
+    "OMP_DYNAMIC=true": {"OMP_DYNAMIC": "true"},
+}
 SHAPES = {
     # name: (rank, rows, cols, batch or None for decode)
     "decode 4096x4096 r64": (64, 4096, 4096, None),
@@ -145,7 +152,7 @@ def child(loads, reps, min_seconds):
 
     work = _workloads()
     nmax = lora.get_num_threads()
-    res = {"threads": nmax, "policy": os.environ.get("OMP_WAIT_POLICY", "default"), "rows": {}}
+    res = {"threads": nmax, "policy": os.environ.get("LORA_BENCH_POLICY", "default"), "rows": {}}
     for name, fn in work.items():
         lora.set_num_threads(1)
         serial = _time_calls(fn, reps, min_seconds)
@@ -207,11 +214,11 @@ def main():
     env_base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env_base.get("PYTHONPATH")]))
     env_base.pop("GOMP_SPINCOUNT", None)
     results = []
-    for policy in (None, "passive"):
+    for policy, extra in POLICIES.items():
         env = dict(env_base)
-        env.pop("OMP_WAIT_POLICY", None)
-        if policy:
-            env["OMP_WAIT_POLICY"] = policy
+        for key in ("OMP_WAIT_POLICY", "OMP_DYNAMIC"):
+            env.pop(key, None)
+        env.update(extra, LORA_BENCH_POLICY=policy)
         out = subprocess.run([sys.executable, __file__, "--child", "--loads", ",".join(loads)]
                              + (["--quick"] if args.quick else []),
                              env=env, capture_output=True, text=True, timeout=600)
@@ -221,14 +228,14 @@ def main():
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
 
     print()
-    hdr = f"{'OMP_WAIT_POLICY':<16}{'shape':<28}{'serial ms':>10}{'threads ms':>11}"
+    hdr = f"{'environment':<25}{'shape':<28}{'serial ms':>10}{'threads ms':>11}"
     for load in loads:
         hdr += f"{'loaded[' + load + '] ms':>17}{'ratio':>7}{'1-thread':>10}"
     print(hdr)
     worst = {}
     for res in results:
         for name, row in res["rows"].items():
-            line = f"{res['policy']:<16}{name:<28}{row['serial'] * 1e3:>10.3f}" \
+            line = f"{res['policy']:<25}{name:<28}{row['serial'] * 1e3:>10.3f}" \
                    f"{row['threads'] * 1e3:>11.3f}"
             for load in loads:
                 ratio = row[f"loaded[{load}]"] / row["serial"]
@@ -239,7 +246,7 @@ def main():
     print()
     for policy, ratio in worst.items():
         verdict = "ok" if ratio <= 2.0 else "over the 2x target"
-        print(f"worst loaded/serial with OMP_WAIT_POLICY={policy}: {ratio:.2f} ({verdict})")
+        print(f"worst loaded/serial with {policy}: {ratio:.2f} ({verdict})")
     print("ratio = all-thread call under load / one-thread call on an idle machine; "
           "'1-thread' = the same with set_num_threads(1) under load")
     return 0
