@@ -7,9 +7,10 @@
 #  1. Copies the checkout (tracked + untracked-but-not-ignored files, no build outputs) into a
 #     throwaway directory, so the developer's in-place build is never replaced by an
 #     instrumented one.
-#  2. Builds the extension there with LORA_CFLAGS="-fsanitize=address,undefined
-#     -fno-omit-frame-pointer" (build.py adds LORA_CFLAGS to compile and link flags), and checks
-#     the result really links the ASan runtime.
+#  2. Builds the extension from there with LORA_CFLAGS="-fsanitize=address,undefined
+#     -fno-omit-frame-pointer" (build.py adds LORA_CFLAGS to compile and link flags) through
+#     `pip wheel`, so the project's own build requirements apply, puts the compiled module into
+#     the copy, and checks that it really links the ASan runtime.
 #  3. Runs `pytest tests` with the ASan runtime preloaded (CPython itself is not instrumented, so
 #     libasan must be first in the process), PYTHONMALLOC=malloc (Python objects go through
 #     ASan's allocator too), CI=1 (hypothesis' bounded CI profile) and LORA_UNDER_ASAN=1 (the few
@@ -33,7 +34,8 @@
 #    end the tail of a child's stderr that a failing test prints.  Any report fails the stage.
 #
 # Environment: PYTHON (default: python3) must have numpy, cffi, ml_dtypes, safetensors, gguf,
-# pytest and hypothesis; when it lacks any, a throwaway venv with them is created.  CC (default
+# pytest and hypothesis; when it lacks any, a throwaway venv with them is created.  The build
+# needs pip and a package index (or a cache) for pyproject.toml's build requirements.  CC (default
 # gcc) must be able to -fsanitize=address,undefined.  SANITIZE_KEEP=1 keeps the work directory.
 # Takes about 2-4 minutes on 2 cores (most of it the build and the fuzz tests).
 set -euo pipefail
@@ -56,20 +58,41 @@ else
 fi
 
 # --- 2. Python with the test dependencies ----------------------------------------------------
-DEPS_IMPORT="import numpy, cffi, ml_dtypes, safetensors, gguf, pytest, hypothesis, setuptools"
+DEPS_IMPORT="import numpy, cffi, ml_dtypes, safetensors, gguf, pytest, hypothesis"
 if ! "$PY" -c "$DEPS_IMPORT" >/dev/null 2>&1; then
     log "$PY lacks test dependencies; creating a throwaway venv"
     "$PY" -m venv "$WORK/venv"
     "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check \
-        numpy cffi ml_dtypes safetensors gguf pytest hypothesis threadpoolctl setuptools
+        numpy cffi ml_dtypes safetensors gguf pytest hypothesis threadpoolctl
     PY="$WORK/venv/bin/python"
 fi
+
+# Build the extension with the project's own build requirements (pip's isolated build env:
+# pyproject.toml pins setuptools>=77, newer than a fresh venv's), then drop the compiled module
+# into the copy, so the copy imports exactly that build.  $1: extra LORA_CFLAGS.
+build_into_copy() {
+    local flags=()
+    if [ -n "$1" ]; then flags=("LORA_CFLAGS=$1"); fi
+    rm -rf "$WORK/wheel"
+    (cd "$WORK/src" && env -u LORA_CFLAGS "${flags[@]}" "$PY" -m pip wheel -q --no-deps \
+        --disable-pip-version-check -w "$WORK/wheel" .) >"$WORK/build.log" 2>&1 || return 1
+    "$PY" - "$WORK/wheel" "$WORK/src/lora" <<'PYEOF'
+import glob, os, sys, zipfile
+whl = glob.glob(os.path.join(sys.argv[1], "*.whl"))[0]
+with zipfile.ZipFile(whl) as z:
+    mods = [n for n in z.namelist() if n.startswith("lora/_lora_cffi") and n.endswith((".so", ".pyd"))]
+    for name in mods:
+        with open(os.path.join(sys.argv[2], os.path.basename(name)), "wb") as fh:
+            fh.write(z.read(name))
+sys.exit(0 if mods else "no compiled lora/_lora_cffi module in " + whl)
+PYEOF
+}
 
 # --- 3. the instrumented build ---------------------------------------------------------------
 SAN_FLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g"
 log "building with LORA_CFLAGS='$SAN_FLAGS'"
-(cd "$WORK/src" && CC="$CC_BIN" LORA_CFLAGS="$SAN_FLAGS" "$PY" setup.py -q build_ext --inplace --force) \
-    >"$WORK/build.log" 2>&1 || { cat "$WORK/build.log"; log "FAIL: instrumented build"; exit 1; }
+export CC="$CC_BIN"
+build_into_copy "$SAN_FLAGS" || { cat "$WORK/build.log"; log "FAIL: instrumented build"; exit 1; }
 SO="$(ls "$WORK"/src/lora/_lora_cffi*.so)"
 if ! ldd "$SO" | grep libasan >/dev/null; then
     ldd "$SO"; log "FAIL: $SO does not link libasan: LORA_CFLAGS did not reach the build"; exit 1

@@ -7,8 +7,8 @@
 # chosen); .ci/sanitize.sh covers that path with ASan.  This stage adds what ASan does not
 # check: reads of uninitialised memory (e.g. padding of the packed deltas, scratch).
 #
-# The extension is built normally (with -g, as setuptools adds) in a throwaway copy of the
-# checkout.  valgrind runs with --error-exitcode=97, PYTHONMALLOC=malloc (so Python objects are
+# The extension is built normally (with -g, as setuptools adds) by `pip wheel` from a throwaway
+# copy of the checkout, and the compiled module is put into that copy.  valgrind runs with --error-exitcode=97, PYTHONMALLOC=malloc (so Python objects are
 # real heap blocks memcheck can see) and --leak-check=no (CPython keeps its interned objects
 # until exit; the extension's one allocation pair, lora_delta_new/free, is owned by ffi.gc).
 # XML mode lists leak records anyway; they are counted apart and not judged.
@@ -42,17 +42,37 @@ else
     (cd "$ROOT" && tar --exclude=build --exclude='*.so' --exclude='.venv*' -cf - .) | tar -xf - -C "$WORK/src"
 fi
 
-if ! "$PY" -c "import numpy, cffi, ml_dtypes, safetensors, gguf, setuptools" >/dev/null 2>&1; then
+if ! "$PY" -c "import numpy, cffi, ml_dtypes, safetensors, gguf" >/dev/null 2>&1; then
     log "$PY lacks dependencies; creating a throwaway venv"
     "$PY" -m venv "$WORK/venv"
     "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check \
-        numpy cffi ml_dtypes safetensors gguf setuptools
+        numpy cffi ml_dtypes safetensors gguf
     PY="$WORK/venv/bin/python"
 fi
 
+# Build the extension with the project's own build requirements (pip's isolated build env:
+# pyproject.toml pins setuptools>=77, newer than a fresh venv's), then drop the compiled module
+# into the copy, so the copy imports exactly that build.  $1: extra LORA_CFLAGS.
+build_into_copy() {
+    local flags=()
+    if [ -n "$1" ]; then flags=("LORA_CFLAGS=$1"); fi
+    rm -rf "$WORK/wheel"
+    (cd "$WORK/src" && env -u LORA_CFLAGS "${flags[@]}" "$PY" -m pip wheel -q --no-deps \
+        --disable-pip-version-check -w "$WORK/wheel" .) >"$WORK/build.log" 2>&1 || return 1
+    "$PY" - "$WORK/wheel" "$WORK/src/lora" <<'PYEOF'
+import glob, os, sys, zipfile
+whl = glob.glob(os.path.join(sys.argv[1], "*.whl"))[0]
+with zipfile.ZipFile(whl) as z:
+    mods = [n for n in z.namelist() if n.startswith("lora/_lora_cffi") and n.endswith((".so", ".pyd"))]
+    for name in mods:
+        with open(os.path.join(sys.argv[2], os.path.basename(name)), "wb") as fh:
+            fh.write(z.read(name))
+sys.exit(0 if mods else "no compiled lora/_lora_cffi module in " + whl)
+PYEOF
+}
+
 log "building the extension (no sanitizers)"
-(cd "$WORK/src" && env -u LORA_CFLAGS "$PY" setup.py -q build_ext --inplace --force) \
-    >"$WORK/build.log" 2>&1 || { cat "$WORK/build.log"; log "FAIL: build"; exit 1; }
+build_into_copy "" || { cat "$WORK/build.log"; log "FAIL: build"; exit 1; }
 
 status=0
 summary=""
