@@ -380,7 +380,7 @@ static int run_plan_(const plan_ *p, int gather) {
     }
 #ifdef _OPENMP
     else if (by_block) {
-#pragma omp parallel for schedule(static) num_threads(nt)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t blk = 0; blk < p->nblk; blk++)
             run_block_(p, blk, scratch + per_thread * omp_get_thread_num(), 0, 1, gather, 1);
     } else {
