@@ -137,8 +137,18 @@ def check_rows_out(out, cols, what="out"):
     if isinstance(out, np.ndarray) and out.ndim == 2:
         op, ldo = check_out(out, (out.shape[0], cols), what)
         return op, ldo, out.shape[0]
-    check_out(out, (getattr(out, "shape", (0,))[:1] or (0,))[0:1] + (cols,), what)
-    raise ValueError(f"{what} must have shape (n, {cols}) = [n, cols]; got {out.shape}")
+    _not_2d(out, cols, "n", what)
+
+
+def _not_2d(out, width, lead, what):
+    """Raise the error for an `out` that is not a 2-D float32 ndarray [lead, width]."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray of float32 with shape ({lead}, {width}); "
+                        f"got {type(out).__name__}")
+    if out.dtype != F32 or not out.dtype.isnative:
+        raise TypeError(f"{what} must have dtype float32 (it is updated in place, never through a "
+                        f"copy); got {out.dtype}")
+    raise ValueError(f"{what} must have shape ({lead}, {width}); got {out.shape}")
 
 
 # ------------------------------------------------------------------- inputs
@@ -167,9 +177,7 @@ def prepare_mat(x, out, cols, rows, out_what="out"):
     Returns (x, x pointer, ldx, out pointer, ldo, batch).
     """
     if not isinstance(out, np.ndarray) or out.ndim != 2:
-        # the full check names the wrong type, dtype or shape against [batch, rows]
-        check_out(out, (getattr(out, "shape", (0,))[:1] or (0,))[0:1] + (rows,), out_what)
-        raise ValueError(f"{out_what} must have shape (batch, {rows}); got {out.shape}")
+        _not_2d(out, rows, "batch", out_what)
     batch = out.shape[0]
     op, ldo = check_out(out, (batch, rows), out_what)
     xa = float_array(x, "x")
@@ -206,6 +214,20 @@ def as_ids(ids, what, n=None):
     if arr.dtype != I64 or not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr, dtype=I64)
     return arr
+
+
+def effective_scales(deltas):
+    """The effective scales of `deltas` for one call, each distinct LoraScale read once, so a
+    stack or bank sharing one scale never mixes an old and a new value within a call."""
+    seen = {}
+    values = []
+    for d in deltas:
+        scale = d._scale
+        value = seen.get(id(scale))
+        if value is None:
+            value = seen[id(scale)] = scale._value
+        values.append(value * d._alpha_factor)
+    return ffi.new("float[]", values)
 
 
 def check_shapeless(x, out, *, ndim, what="out"):

@@ -98,7 +98,7 @@ class LoraBank:
     def _call_args(self, adapter_ids, n):
         self._flatten()
         ids = cv.as_ids(adapter_ids, "adapter_ids", n)
-        scales = ffi.new("float[]", [d._scale._value * d._alpha_factor for d in self._deltas])
+        scales = cv.effective_scales(self._deltas)
         return ids, scales
 
     def _raise(self, status, adapter_ids, ids=None, bad=None):

@@ -337,7 +337,7 @@ class LoraStack:
         return sum(d.resident_bytes for d in {id(d): d for d in self._deltas}.values())
 
     def _scales(self):
-        return ffi.new("float[]", [d._scale._value * d._alpha_factor for d in self._deltas])
+        return cv.effective_scales(self._deltas)
 
 
     def add_to(self, x, out):

@@ -72,7 +72,8 @@ def main():
 
     xs = {
         "int": np.ones(COLS, np.int64), "complex": np.ones(COLS, complex),
-        "object": np.array([object()] * COLS), "str": np.array(["a"] * COLS), "bool": np.ones(COLS, bool),
+        "object": np.array([object()] * COLS), "str": np.array(["a"] * COLS),
+        "bool": np.ones(COLS, bool),
         "0-d": np.float32(1.0) + np.zeros((), np.float32), "0-d-int": np.array(3),
         "short": f32(COLS - 1), "long": f32(COLS + 1), "2-d": f32((1, COLS)), "empty": f32(0),
         "big-endian": f32(COLS).astype(">f4"), "float16": f32(COLS).astype(np.float16),
@@ -87,7 +88,8 @@ def main():
         "float64": np.zeros(ROWS), "int32": np.zeros(ROWS, np.int32),
         "big-endian": np.zeros(ROWS, ">f4"), "0-d": np.zeros((), np.float32),
         "short": np.zeros(ROWS - 1, np.float32), "2-d": np.zeros((1, ROWS), np.float32),
-        "strided": np.zeros(2 * ROWS, np.float32)[::2], "reversed": np.zeros(ROWS, np.float32)[::-1],
+        "strided": np.zeros(2 * ROWS, np.float32)[::2],
+        "reversed": np.zeros(ROWS, np.float32)[::-1],
         "broadcast": np.broadcast_to(np.float32(0), (ROWS,)), "list": [0.0] * ROWS, "none": None,
         "misaligned": misaligned(ROWS), "memoryview": memoryview(bytearray(4 * ROWS)),
         "empty": np.zeros(0, np.float32),
@@ -113,7 +115,8 @@ def main():
             attempt(f"{tname}.add_row_to out={oname}", lambda: t.add_row_to(1, orow), orow)
         # zero-size batches, with good and bad partners
         for xshape, oshape in (((0, COLS), (0, ROWS)), ((0, COLS + 1), (0, ROWS)),
-                               ((0, COLS), (0, ROWS + 1)), ((0, 0), (0, 0)), ((1, COLS), (0, ROWS))):
+                               ((0, COLS), (0, ROWS + 1)), ((0, 0), (0, 0)),
+                               ((1, COLS), (0, ROWS))):
             x, out = np.zeros(xshape, np.float32), np.zeros(oshape, np.float32)
             attempt(f"{tname}.add_batch_to zero-size {xshape}->{oshape}",
                     lambda: t.add_batch_to(x, out), out)
@@ -147,7 +150,8 @@ def main():
         x, out = f32((N, COLS)), f32((N, ROWS))
         rows_out = f32((N, COLS))
         for aname, aid in {
-            "huge": [I64_MAX] * N, "i64min": [I64_MIN] * N, "u64max": np.full(N, U64_MAX, np.uint64),
+            "huge": [I64_MAX] * N, "i64min": [I64_MIN] * N,
+            "u64max": np.full(N, U64_MAX, np.uint64),
             "py-huge": [2**70] * N, "minus2": [-2] * N, "len": [len(b)] * N, "bool": [True] * N,
             "float": [0.0] * N, "short": [0] * (N - 1), "long": [0] * (N + 1), "0-d": np.array(0),
             "2-d": np.zeros((N, 1), int), "none": None, "ok": [-1, 0, 1, 0][:N],
@@ -171,11 +175,13 @@ def main():
     # construction
     big = 2**40
     for name, fn in {
-        "from_flat huge rank": lambda: lora.LoraDelta.from_flat(np.zeros(6), np.zeros(5), big, 3, 4),
+        "from_flat huge rank": lambda: lora.LoraDelta.from_flat(np.zeros(6), np.zeros(5), big,
+                                                                3, 4),
         "from_flat negative": lambda: lora.LoraDelta.from_flat(np.zeros(6), np.zeros(5), -2, -3, 4),
         "from_flat i64 overflow": lambda: lora.LoraDelta.from_flat(np.zeros(1), np.zeros(1),
                                                                    2**62, 2**62, 2**62),
-        "from_flat float dims": lambda: lora.LoraDelta.from_flat(np.zeros(8), np.zeros(6), 2.5, 3, 4),
+        "from_flat float dims": lambda: lora.LoraDelta.from_flat(np.zeros(8), np.zeros(6), 2.5,
+                                                                 3, 4),
         "from_flat none": lambda: lora.LoraDelta.from_flat(None, None, 1, 1, 1),
         "rank 0": lambda: lora.LoraDelta(np.zeros((0, 4)), np.zeros((3, 0))),
         "0-d weights": lambda: lora.LoraDelta(np.float32(1), np.float32(1)),
@@ -184,7 +190,8 @@ def main():
         "int weights": lambda: lora.LoraDelta(np.zeros((2, 4), int), np.zeros((3, 2), int)),
         "object weights": lambda: lora.LoraDelta(np.array([[object()]]), np.zeros((1, 1))),
         "nan weights": lambda: lora.LoraDelta(np.full((2, 4), np.nan), np.zeros((3, 2))),
-        "f16 overflow": lambda: lora.LoraDelta(np.full((2, 4), 7e4), np.zeros((3, 2)), dtype="float16"),
+        "f16 overflow": lambda: lora.LoraDelta(np.full((2, 4), 7e4), np.zeros((3, 2)),
+                                               dtype="float16"),
         "bad dtype": lambda: lora.LoraDelta(np.zeros((2, 4)), np.zeros((3, 2)), dtype="int4"),
         "nan alpha": lambda: lora.LoraDelta(np.zeros((2, 4)), np.zeros((3, 2)), alpha=float("nan")),
         "str alpha": lambda: lora.LoraDelta(np.zeros((2, 4)), np.zeros((3, 2)), alpha="1"),

@@ -196,3 +196,25 @@ def test_bank_hypothesis(n, seed, dtype, n_slots, isa):
     rows, cols = int(rng.integers(1, 40)), int(rng.integers(1, 40))
     entries = _entries(rng, rows, cols, dtype, n_slots=n_slots)
     _check_bank(lora.LoraBank(entries), entries, rng, rows, cols, n, 1)
+
+
+def test_many_slots_and_an_empty_stack_entry(isa):
+    """1000 slots (the plan no longer fits the kernel's stack buffer), mostly None, one an empty
+    LoraStack (adds nothing, like None): rows still equal their entry alone."""
+    rng = np.random.default_rng(6)
+    entries = [None] * 1000
+    entries[3] = make_delta(rng, 4, 30, 20)
+    entries[999] = make_delta(rng, 8, 30, 20, "float16")
+    entries[500] = lora.LoraStack()
+    bank = lora.LoraBank(entries)
+    assert bank.resident_bytes == entries[3].resident_bytes + entries[999].resident_bytes
+    aid = rng.choice([3, 999, 500, -1, 0], size=300)
+    x, out0 = rand(rng, (300, 20)), rand(rng, (300, 30))
+    for threads in (1, 2):
+        with num_threads(threads):
+            got = bank.add_batch_to(x, out0.copy(), aid)
+        for b in range(300):
+            e = entries[aid[b]] if aid[b] >= 0 else None
+            assert_same_bits(got[b], _alone_batch(e, x[b], out0[b]), f"position {b}")
+            if aid[b] in (-1, 0, 500):
+                assert got[b].tobytes() == out0[b].tobytes()

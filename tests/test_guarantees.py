@@ -441,3 +441,21 @@ def test_simd_paths_agree_with_scalar(op, dtype):
             rel = np.abs(got.astype(np.float64) - results["scalar"]) / (1e-30 + np.abs(ref))
             assert np.all((rel < 1e-3) | (np.abs(got - results["scalar"]) < 1e-4 *
                                            np.abs(ref).max())), (name, op)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_invariance_above_the_stack_scratch_rank(threads, isa):
+    """Rank 600 needs heap scratch (more than 512 floats per position): batch rows still equal
+    single calls, for the projection and the gather."""
+    if threads == 2 and not TWO:
+        pytest.skip("one thread only")
+    rng = np.random.default_rng(14)
+    d = make_delta(rng, 600, 300, 200, "bfloat16")
+    x, out0 = rand(rng, (40, 200)), rand(rng, (40, 300))
+    ids, rout0 = rng.integers(0, 300, 40), rand(rng, (40, 200))
+    with num_threads(threads):
+        got = d.add_batch_to(x, out0.copy())
+        rgot = d.add_rows_to(ids, rout0.copy())
+        for b in range(40):
+            assert_same_bits(got[b], d.add_to(x[b], out0[b].copy()), f"row {b}")
+            assert_same_bits(rgot[b], d.add_row_to(int(ids[b]), rout0[b].copy()), f"gather {b}")
