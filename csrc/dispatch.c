@@ -3,8 +3,8 @@
  * OpenMP drivers.  The ISA files hold only kernels; all threading is here.
  *
  * Threading model.  Positions are cut into blocks of up to LORA_NB; a block
- * is one project + scale + accumulate (or, for the gather, one scale of B's
- * row + accumulate of A).  With many blocks, threads take whole blocks.  With
+ * is one project + accumulate (t = A x, out += s * B t) or, for the gather,
+ * one accumulate of A (out += s * B[id] A).  With many blocks, threads take whole blocks.  With
  * few (decode, small prefill) the whole team works on each block: threads
  * split the rank outputs of A.x, meet at a barrier, then split the rows of
  * B.y (the gather splits its columns and needs no barrier).  Either way a
@@ -315,27 +315,23 @@ static void run_block_(const plan_ *p, int64_t blk, float *t, int tid, int nt, i
         const int64_t r = d->rank;
         int64_t lo, hi;
         if (gather) {
-            /* u = s * B[tok, :]; every thread builds its own u and owns its columns */
+            /* u = B[tok, :]; every thread builds its own u and owns its columns */
             for (int b = 0; b < nb; b++)
                 for (int64_t k = 0; k < r; k++)
-                    t[b * r + k] = s * lora_load_f32(d->bt, k * d->ldb + tok[b], d->dtype);
+                    t[b * r + k] = lora_load_f32(d->bt, k * d->ldb + tok[b], d->dtype);
             split_(d->cols, tid, nt, 16, &lo, &hi);
-            if (lo < hi) p->kt->accumulate[d->dtype](d->a, d->lda, r, lo, hi, nb, t, r, outs);
+            if (lo < hi) p->kt->accumulate[d->dtype](d->a, d->lda, r, lo, hi, nb, t, r, s, outs);
             continue;
         }
         split_(r, tid, nt, 1, &lo, &hi);
-        if (lo < hi) {
-            p->kt->project[d->dtype](d->a, d->lda, d->cols, lo, hi, nb, xs, t, r);
-            for (int b = 0; b < nb; b++)
-                for (int64_t k = lo; k < hi; k++) t[b * r + k] *= s;
-        }
+        if (lo < hi) p->kt->project[d->dtype](d->a, d->lda, d->cols, lo, hi, nb, xs, t, r);
 #ifdef _OPENMP
         if (nt > 1) {
 #pragma omp barrier
         }
 #endif
         split_(d->rows, tid, nt, 16, &lo, &hi);
-        if (lo < hi) p->kt->accumulate[d->dtype](d->bt, d->ldb, r, lo, hi, nb, t, r, outs);
+        if (lo < hi) p->kt->accumulate[d->dtype](d->bt, d->ldb, r, lo, hi, nb, t, r, s, outs);
 #ifdef _OPENMP
         /* t is reused by the next delta or block: wait until every thread is done with it */
         if (nt > 1 && !(last && q + 1 == p->first[entry + 1])) {

@@ -13,8 +13,10 @@
  *
  * The two kernel shapes every ISA provides, per storage dtype:
  *   project:    t[b*ldt + k] = sum_j A[k, j] * xs[b][j]       k in [k0, k1)
- *   accumulate: outs[b][i]  += sum_k M[k, i] * u[b*ldu + k]   i in [i0, i1)
- *               (M = B^T for the B.y step, M = A for the gather)
+ *   accumulate: outs[b][i]  += scale * sum_k M[k, i] * u[b*ldu + k]   i in [i0, i1)
+ *               (M = B^T for the B.y step, M = A for the gather; the scale
+ *               multiplies the finished sum, as NumPy's out + s * ((x @ A.T)
+ *               @ B.T) does, so half-precision products stay exact)
  * for nb <= LORA_NB positions at once, so one load of the adapter feeds nb
  * positions.  Each output element's summation order is fixed by the ISA file
  * alone (its header says which) and never depends on nb, on [k0, k1) or on
@@ -56,7 +58,8 @@ typedef void (*lora_project_fn)(const void *a, int64_t lda, int64_t cols,
                                 const float *const *xs, float *t, int64_t ldt);
 typedef void (*lora_accumulate_fn)(const void *m, int64_t ldm, int64_t kdim,
                                    int64_t i0, int64_t i1, int nb,
-                                   const float *u, int64_t ldu, float *const *outs);
+                                   const float *u, int64_t ldu, float scale,
+                                   float *const *outs);
 typedef double (*lora_read_fn)(const float *buf, int64_t n);
 
 typedef struct {

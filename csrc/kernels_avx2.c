@@ -15,7 +15,8 @@
  *               0 over the last cols mod 8 values, ascending.
  *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
  *               fma-chain from 0 over k in [16m, 16m+16) ascending of
- *               M[k,i]*u[k] (LORA_KBLOCK); vector lanes and the scalar tail
+ *               M[k,i]*u[k] (LORA_KBLOCK), then out[i] = fma(total, s,
+ *               out[i]) (one rounding); vector lanes and the scalar tail
  *               (fmaf, which the FMA target turns into vfmadd) give the same
  *               bits.
  * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads).
@@ -104,8 +105,8 @@ INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int6
 /* outputs i .. i + 8*nv of nb positions; nv in {1, 2}, nb in {1, 2}: 4
  * block sums + 4 running totals + 3 operands = 11 of the 16 ymm registers */
 INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
-                              const int nb, const float *u, int64_t ldu, float *const *outs,
-                              const int dt) {
+                              const int nb, const float *u, int64_t ldu, float scale,
+                              float *const *outs, const int dt) {
     __m256 total_f32x8[2][2] = {{_mm256_setzero_ps()}}, block_f32x8[2][2];
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
@@ -128,18 +129,19 @@ INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t 
     for (int b = 0; b < nb; b++) {
         for (int v = 0; v < nv; v++) {
             float *o = outs[b] + i + 8 * v;
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), total_f32x8[v][b]));
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(total_f32x8[v][b], _mm256_set1_ps(scale),
+                                                _mm256_loadu_ps(o)));
         }
     }
 }
 
 INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                            const int nb, const float *u, int64_t ldu, float *const *outs,
-                            const int dt) {
+                            const int nb, const float *u, int64_t ldu, float scale,
+                            float *const *outs, const int dt) {
     int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) accumulate_tile_(m, ldm, kdim, i, 2, nb, u, ldu, outs, dt);
+    for (; i + 16 <= i1; i += 16) accumulate_tile_(m, ldm, kdim, i, 2, nb, u, ldu, scale, outs, dt);
     if (i + 8 <= i1) {
-        accumulate_tile_(m, ldm, kdim, i, 1, nb, u, ldu, outs, dt);
+        accumulate_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, dt);
         i += 8;
     }
     for (; i < i1; i++) {  /* the same blocked chains, one lane at a time */
@@ -152,17 +154,20 @@ INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0
                     block = fmaf(load_f32_(m, k * ldm + i, dt), u[b * ldu + k], block);
                 total = k0 == 0 ? block : total + block;
             }
-            outs[b][i] += total;
+            outs[b][i] = fmaf(total, scale, outs[b][i]);
         }
     }
 }
 
 INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                         int nb, const float *u, int64_t ldu, float *const *outs, const int dt) {
+                         int nb, const float *u, int64_t ldu, float scale, float *const *outs,
+                         const int dt) {
     /* positions in pairs; a constant pair size keeps every accumulator in a register */
     for (int b = 0; b < nb; b += 2) {
-        if (nb - b >= 2) accumulate_nb_(m, ldm, kdim, i0, i1, 2, u + b * ldu, ldu, outs + b, dt);
-        else accumulate_nb_(m, ldm, kdim, i0, i1, 1, u + b * ldu, ldu, outs + b, dt);
+        if (nb - b >= 2)
+            accumulate_nb_(m, ldm, kdim, i0, i1, 2, u + b * ldu, ldu, scale, outs + b, dt);
+        else
+            accumulate_nb_(m, ldm, kdim, i0, i1, 1, u + b * ldu, ldu, scale, outs + b, dt);
     }
 }
 
@@ -174,9 +179,9 @@ INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, i
     }                                                                                         \
     static void lora_accumulate_##NAME##_avx2(const void *m, int64_t ldm, int64_t kdim,      \
                                               int64_t i0, int64_t i1, int nb,                \
-                                              const float *u, int64_t ldu,                   \
+                                              const float *u, int64_t ldu, float scale,      \
                                               float *const *outs) {                          \
-        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, outs, DT);                             \
+        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, DT);                      \
     }
 LORA_WRAP_(LORA_DTYPE_F32, f32)
 LORA_WRAP_(LORA_DTYPE_F16, f16)

@@ -14,8 +14,8 @@
  *               _mm512_reduce_add_ps tree (halves 256, 128, 64, 32 bits).
  *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
  *               fma-chain from 0 over k in [16m, 16m+16) ascending of
- *               M[k,i]*u[k] (LORA_KBLOCK); the tail is the same in masked
- *               lanes.
+ *               M[k,i]*u[k] (LORA_KBLOCK), then out[i] = fma(total, s,
+ *               out[i]) (one rounding); the tail is the same in masked lanes.
  * Tail strategy: masked loads and stores, no scalar tail.
  * Accumulators: up to 16 zmm chains per tile (FMA latency 4 x 2 ports needs
  * 8): project tiles are nr ranks x nb positions with nr = 8 for nb <= 2 and
@@ -134,7 +134,7 @@ INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int6
  * nv * nb <= 8 block sums + 8 running totals + nv + 1 operands <= 25 zmm */
 INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                               __mmask16 last, const int nb, const float *u, int64_t ldu,
-                              float *const *outs, const int dt) {
+                              float scale, float *const *outs, const int dt) {
     __m512 total_f32x16[8] = {_mm512_setzero_ps()}, block_f32x16[8];
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
@@ -158,31 +158,34 @@ INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t 
         for (int v = 0; v < nv; v++) {
             float *o = outs[b] + i + 16 * v;
             const __mmask16 mask = v == nv - 1 ? last : (__mmask16)0xffff;
-            const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), total_f32x16[v * nb + b]);
+            const __m512 sum = _mm512_fmadd_ps(total_f32x16[v * nb + b], _mm512_set1_ps(scale),
+                                               _mm512_maskz_loadu_ps(mask, o));
             _mm512_mask_storeu_ps(o, mask, sum);
         }
     }
 }
 
 INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                            const int nb, const float *u, int64_t ldu, float *const *outs,
-                            const int dt) {
+                            const int nb, const float *u, int64_t ldu, float scale,
+                            float *const *outs, const int dt) {
     const int nv = nb == 1 ? 8 : nb == 2 ? 4 : 2;
     int64_t i = i0;
     for (; i + 16 * nv <= i1; i += 16 * nv)
-        accumulate_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, outs, dt);
+        accumulate_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt);
     for (; i + 16 <= i1; i += 16)
-        accumulate_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, outs, dt);
-    if (i < i1) accumulate_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, outs, dt);
+        accumulate_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt);
+    if (i < i1)
+        accumulate_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, dt);
 }
 
 INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                         int nb, const float *u, int64_t ldu, float *const *outs, const int dt) {
+                         int nb, const float *u, int64_t ldu, float scale, float *const *outs,
+                         const int dt) {
     switch (nb) {
-    case 1: accumulate_nb_(m, ldm, kdim, i0, i1, 1, u, ldu, outs, dt); break;
-    case 2: accumulate_nb_(m, ldm, kdim, i0, i1, 2, u, ldu, outs, dt); break;
-    case 3: accumulate_nb_(m, ldm, kdim, i0, i1, 3, u, ldu, outs, dt); break;
-    default: accumulate_nb_(m, ldm, kdim, i0, i1, 4, u, ldu, outs, dt); break;
+    case 1: accumulate_nb_(m, ldm, kdim, i0, i1, 1, u, ldu, scale, outs, dt); break;
+    case 2: accumulate_nb_(m, ldm, kdim, i0, i1, 2, u, ldu, scale, outs, dt); break;
+    case 3: accumulate_nb_(m, ldm, kdim, i0, i1, 3, u, ldu, scale, outs, dt); break;
+    default: accumulate_nb_(m, ldm, kdim, i0, i1, 4, u, ldu, scale, outs, dt); break;
     }
 }
 
@@ -194,9 +197,9 @@ INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, i
     }                                                                                         \
     static void lora_accumulate_##NAME##_avx512(const void *m, int64_t ldm, int64_t kdim,    \
                                                 int64_t i0, int64_t i1, int nb,              \
-                                                const float *u, int64_t ldu,                 \
+                                                const float *u, int64_t ldu, float scale,    \
                                                 float *const *outs) {                        \
-        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, outs, DT);                             \
+        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, DT);                      \
     }
 LORA_WRAP_(LORA_DTYPE_F32, f32)
 LORA_WRAP_(LORA_DTYPE_F16, f16)

@@ -16,7 +16,8 @@
  *               registers; the tail j's fall into their own lanes).
  *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
  *               (((0 + M[k,i]u[k]) + M[k+1,i]u[k+1]) + ...) over k in
- *               [16m, 16m+16) ascending (LORA_KBLOCK), then one add into out.
+ *               [16m, 16m+16) ascending (LORA_KBLOCK); then out[i] + s * total
+ *               (a multiply, then an add).
  * Tail strategy: the lane index is j mod 8, so the tail needs no special
  * case.  Accumulators: 8 lanes in project, a strip of 64 outputs (block sums
  * and running totals) in accumulate.
@@ -47,7 +48,7 @@ static inline void project_(const void *a, int64_t lda, int64_t cols, int64_t k0
 }
 
 static inline void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0,
-                               int64_t i1, int nb, const float *u, int64_t ldu,
+                               int64_t i1, int nb, const float *u, int64_t ldu, float scale,
                                float *const *outs, const int dt) {
     float total[STRIP_], block[STRIP_];
     for (int b = 0; b < nb; b++) {
@@ -70,7 +71,7 @@ static inline void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t
                 }
                 for (int l = 0; l < n; l++) total[l] = k0 == 0 ? block[l] : total[l] + block[l];
             }
-            for (int l = 0; l < n; l++) out[i + l] += total[l];
+            for (int l = 0; l < n; l++) out[i + l] += scale * total[l];
         }
     }
 }
@@ -83,9 +84,9 @@ static inline void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t
     }                                                                                         \
     static void lora_accumulate_##NAME##_scalar(const void *m, int64_t ldm, int64_t kdim,    \
                                                 int64_t i0, int64_t i1, int nb,              \
-                                                const float *u, int64_t ldu,                 \
+                                                const float *u, int64_t ldu, float scale,    \
                                                 float *const *outs) {                        \
-        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, outs, DT);                             \
+        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, DT);                      \
     }
 LORA_WRAP_(LORA_DTYPE_F32, f32)
 LORA_WRAP_(LORA_DTYPE_F16, f16)
