@@ -473,9 +473,11 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
                      int64_t batch, const void *x, int64_t ldx, void *out, int64_t ldo,
                      int64_t *bad) {
     if (batch > 1 && (ldx < cols || ldo < rows)) return LORA_ERR_ARG;
+    if (((uintptr_t)x | (uintptr_t)out) % sizeof(float)) return LORA_ERR_ALIGN;
     if (batch > 0 && ranges_overlap_(x, ((batch - 1) * ldx + cols) * 4, out,
                                      ((batch - 1) * ldo + rows) * 4))
         return LORA_ERR_OVERLAP;
+    if ((uintptr_t)entry_ids % sizeof(int64_t)) return LORA_ERR_ALIGN;
     plan_ p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf;
     int st = plan_call_(&p, n_entries, first, deltas, scales, entry_ids, rows, cols, batch, out,
@@ -492,6 +494,9 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
                     const float *scales, const int64_t *entry_ids, int64_t rows, int64_t cols,
                     int64_t n, const int64_t *ids, void *out, int64_t ldo, int64_t *bad) {
     if (n > 1 && ldo < cols) return LORA_ERR_ARG;
+    if ((uintptr_t)out % sizeof(float) || (uintptr_t)ids % sizeof(int64_t) ||
+        (uintptr_t)entry_ids % sizeof(int64_t))
+        return LORA_ERR_ALIGN;
     plan_ p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf;
     int st = plan_call_(&p, n_entries, first, deltas, scales, entry_ids, rows, cols, n, out, ldo,

@@ -115,6 +115,9 @@ def check_out(out, shape, what="out"):
         raise ValueError(f"{what} must have shape {shape}; got {out.shape}")
     if not out.flags.writeable:
         raise ValueError(f"{what} is read-only; it must be a writeable float32 array")
+    if not out.flags.aligned:
+        raise ValueError(f"{what} is not aligned to 4 bytes (a view at an odd byte offset); "
+                         f"it must be an aligned float32 array")
     if out.ndim == 1 or out.shape[0] <= 1:
         if out.flags.c_contiguous:
             return ffi.from_buffer(out, require_writable=True), shape[-1]
@@ -154,6 +157,12 @@ def _not_2d(out, width, lead, what):
 # ------------------------------------------------------------------- inputs
 
 
+def _aligned_copy(x):
+    """x as a new C-contiguous, aligned float32 array (np.ascontiguousarray keeps a misaligned
+    float32 array as it is)."""
+    return np.array(x, dtype=F32, order="C", copy=True)
+
+
 def _no_overlap(x, out):
     if isinstance(x, np.ndarray) and np.may_share_memory(x, out):
         raise ValueError("x and out overlap in memory; out must not alias x")
@@ -165,9 +174,10 @@ def prepare_vec(x, out, cols, rows):
     xa = float_array(x, "x")
     if xa.shape != (cols,):
         raise ValueError(f"x must have shape ({cols},) = [cols]; got {xa.shape}")
-    if xa.dtype != F32 or not xa.flags.c_contiguous or not xa.dtype.isnative:
+    if (xa.dtype != F32 or not xa.flags.c_contiguous or not xa.dtype.isnative
+            or not xa.flags.aligned):
         _no_overlap(xa, out)
-        xa = np.ascontiguousarray(xa, dtype=F32)
+        xa = _aligned_copy(xa)
     return xa, ffi.from_buffer(xa), op
 
 
@@ -184,14 +194,15 @@ def prepare_mat(x, out, cols, rows, out_what="out"):
     if xa.shape != (batch, cols):
         raise ValueError(f"x must have shape ({batch}, {cols}) = [batch, cols] to match out "
                          f"{out.shape}; got {xa.shape}")
-    if (xa.dtype == F32 and xa.dtype.isnative and (xa.strides[1] == 4 or cols == 1)
+    if (xa.dtype == F32 and xa.dtype.isnative and xa.flags.aligned
+            and (xa.strides[1] == 4 or cols == 1)
             and (batch <= 1 or (xa.strides[0] % 4 == 0 and xa.strides[0] >= 4 * cols))):
         if xa.flags.c_contiguous:
             return xa, ffi.from_buffer(xa), cols, op, ldo, batch
         ldx = xa.strides[0] // 4 if batch > 1 else cols
         return xa, ffi.cast("void *", xa.__array_interface__["data"][0]), ldx, op, ldo, batch
     _no_overlap(xa, out)
-    xa = np.ascontiguousarray(xa, dtype=F32)
+    xa = _aligned_copy(xa)
     return xa, ffi.from_buffer(xa), cols, op, ldo, batch
 
 
@@ -211,8 +222,8 @@ def as_ids(ids, what, n=None):
         if big.size:
             raise IndexError(f"{what}: id {int(arr[big[0]])} at position {int(big[0])} is out "
                              f"of range")
-    if arr.dtype != I64 or not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr, dtype=I64)
+    if arr.dtype != I64 or not arr.flags.c_contiguous or not arr.flags.aligned:
+        arr = np.array(arr, dtype=I64, order="C", copy=True)
     return arr
 
 
@@ -270,6 +281,8 @@ def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=Non
     if status == lib.LORA_ERR_ADAPTER:
         raise IndexError(f"adapter id {int(adapter_ids[pos])} at position {pos} is out of range: "
                          f"valid ids are -1 (no adapter) and 0..{n_entries - 1}")
+    if status == lib.LORA_ERR_ALIGN:
+        raise ValueError("x, out or the ids are not aligned to their item size")
     if status == lib.LORA_ERR_NOMEM:
         raise MemoryError("lora-kernels: out of memory for kernel scratch")
     raise ValueError(f"lora-kernels: invalid arguments (status {status})")

@@ -177,6 +177,9 @@ class LoraDelta:
             x, xp, op = cv.prepare_vec(x, out, self._cols, self._rows)
         # always one C call: it checks x/out overlap, then skips all arithmetic at scale 0
         status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, op)
+        if status == lib.LORA_ERR_ALIGN:  # rare: a view at an odd byte offset; checks + copy
+            x, xp, op = cv.prepare_vec(x, out, self._cols, self._rows)
+            status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, op)
         if status:
             cv.raise_status(status)
         return out
@@ -200,8 +203,11 @@ class LoraDelta:
         else:
             x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
         if batch:
-            status = _lora_add_batch(self._ptr, self._scale._value * self._alpha_factor, batch, xp,
-                                     ldx, op, ldo)
+            s = self._scale._value * self._alpha_factor
+            status = _lora_add_batch(self._ptr, s, batch, xp, ldx, op, ldo)
+            if status == lib.LORA_ERR_ALIGN:  # rare: a view at an odd byte offset
+                x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
+                status = _lora_add_batch(self._ptr, s, batch, xp, ldx, op, ldo)
             if status:
                 cv.raise_status(status)
         return out

@@ -599,3 +599,33 @@ def test_bad_inputs_raise_documented_types_and_keep_out(crash_runs):
     for name, p in crash_runs.items():
         bad = [ln for ln in p.stdout.splitlines() if ln.startswith(("UNEXPECTED", "CHANGED"))]
         assert not bad, (name, bad)
+
+
+# ------------------------------------------------------------ misaligned views
+
+
+def _misaligned(shape):
+    """A float32 view at a 1-byte offset: legal NumPy, but C may not read it as float."""
+    n = int(np.prod(shape))
+    return np.frombuffer(bytearray(4 * n + 1), np.float32, count=n, offset=1).reshape(shape)
+
+
+def test_misaligned_x_is_copied_and_misaligned_out_refused(isa):
+    rng = np.random.default_rng(31)
+    d = lora.LoraDelta(rng.standard_normal((3, COLS)), rng.standard_normal((ROWS, 3)))
+    x = _misaligned((2, COLS))
+    x[...] = rng.standard_normal((2, COLS))
+    assert not x.flags.aligned
+    want = np.zeros((2, ROWS), np.float32)
+    d.add_batch_to(np.array(x), want)
+    got = np.zeros((2, ROWS), np.float32)
+    assert d.add_batch_to(x, got) is got
+    np.testing.assert_array_equal(got, want)
+    got1 = np.zeros(ROWS, np.float32)
+    d.add_to(x[0], got1)
+    np.testing.assert_array_equal(got1, want[0])
+    out = _misaligned((2, ROWS))
+    out[...] = 1.5
+    rejects(ValueError, ["aligned"], lambda: d.add_batch_to(np.array(x), out), out)
+    rejects(ValueError, ["aligned"], lambda: d.add_to(np.array(x[0]), out[0]), out)
+    rejects(ValueError, ["aligned"], lambda: d.add_rows_to([0, 1], _misaligned((2, COLS))))
