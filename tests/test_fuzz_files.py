@@ -825,7 +825,7 @@ def test_gguf_terabyte_tensor_refused_before_allocating(ne, worker, seed_dir):
     assert res["peak"] < ALLOC_SLACK, res
 
 
-# ----------------------------------------------- loader findings, pinned until they are fixed
+# ------------------------------------- loader findings of the fuzzer, fixed and kept as tests
 
 
 def _small_pair(seed=5):
@@ -834,10 +834,6 @@ def _small_pair(seed=5):
             ("blk.0.attn_q.weight.lora_b", rng.standard_normal((24, 4)).astype(np.float32), None)]
 
 
-@pytest.mark.xfail(strict=True, reason="loader finding: load_gguf reads metadata with "
-                   "gguf.GGUFReader, which builds several Python objects per element of a metadata "
-                   "array: ~175-700 bytes allocated and ~12-60 us spent per file byte (a 4 MB GGUF "
-                   "with a 10^6-element int32 array: 700 MB, 50 s), a denial of service by file")
 @pytest.mark.parametrize("case", ["valid-150k-array", "one-byte-string-to-array"])
 def test_gguf_metadata_array_allocation_is_bounded(case, worker, seed_dir):
     """valid-150k-array: a valid adapter plus one 150 000-element int32 metadata array (a 600 KB
@@ -859,9 +855,6 @@ def test_gguf_metadata_array_allocation_is_bounded(case, worker, seed_dir):
     check_outcome(worker.load("gguf", p), "gguf", p)
 
 
-@pytest.mark.xfail(strict=True, reason="loader finding: a GGUF string value that is not UTF-8 "
-                   "(general.name, general.type, adapter.type) escapes load_gguf as "
-                   "UnicodeDecodeError instead of LoraFormatError")
 @pytest.mark.parametrize("key", ["general.name", "general.type", "adapter.type"])
 def test_gguf_non_utf8_string_value_is_a_format_error(key, worker, seed_dir):
     p = seed_dir / "utf8.gguf"
