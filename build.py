@@ -1,0 +1,88 @@
+"""cffi builder for lora-kernels (out-of-line API mode).
+
+`csrc/lora.h` is the one truth for the C API: the part between its
+LORA_CDEF markers is the cdef.  setup.py names `build.py:ffibuilder` in
+`cffi_modules`, so `pip install .` / `pip wheel .` compile this.
+
+Build knobs (environment):
+  LORA_DISABLE_OPENMP=1   build serial even where OpenMP works
+  LORA_CFLAGS="..."       extra compile and link flags (the sanitizer CI stage)
+
+No -march=native: every ISA path is compiled into one extension with
+per-file target pragmas and chosen at import from the CPU's feature bits.
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import warnings
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = ["dispatch.c", "kernels_scalar.c", "kernels_avx2.c", "kernels_avx512.c"]
+
+
+def read_cdef():
+    with open(os.path.join(HERE, "csrc", "lora.h")) as f:
+        text = f.read()
+    return text.split("/* LORA_CDEF_BEGIN */", 1)[1].split("/* LORA_CDEF_END */", 1)[0]
+
+
+def _compiler():
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shlex.split(cc)
+
+
+def openmp_flags():
+    """`-fopenmp` when a tiny OpenMP program compiles and links, else [] with a warning."""
+    if os.environ.get("LORA_DISABLE_OPENMP", "") not in ("", "0"):
+        return []
+    if sys.platform == "win32":
+        return []  # MSVC is best effort: the portable path, one thread
+    src = "#include <omp.h>\nint main(void){int n=0;\n#pragma omp parallel\n{n=omp_get_num_threads();}\nreturn n<1;}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        c_file = os.path.join(tmp, "probe.c")
+        with open(c_file, "w") as f:
+            f.write(src)
+        cmd = _compiler() + ["-fopenmp", c_file, "-o", os.path.join(tmp, "probe")]
+        try:
+            ok = subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+    if not ok:
+        warnings.warn("lora-kernels: the C compiler cannot build OpenMP code; building a serial "
+                      "(one-thread) extension", RuntimeWarning)
+        return []
+    return ["-fopenmp"]
+
+
+def build_flags():
+    if sys.platform == "win32":
+        return ["/O2", "/fp:precise"], []
+    omp = openmp_flags()
+    extra = shlex.split(os.environ.get("LORA_CFLAGS", ""))
+    # -ffp-contract=off: no multiply-add is fused unless a kernel says so, so
+    # each path's summation order is the one its file header writes down.
+    compile_args = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
+    return compile_args + omp + extra, ["-pthread"] + omp + extra
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(read_cdef())
+_cflags, _ldflags = build_flags()
+ffibuilder.set_source(
+    "lora._lora_cffi",
+    '#include "lora.h"\n',
+    sources=[os.path.join("csrc", name) for name in SOURCES],
+    include_dirs=["csrc"],
+    depends=[os.path.join("csrc", name) for name in ("lora.h", "kernels.h")],
+    extra_compile_args=_cflags,
+    extra_link_args=_ldflags,
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

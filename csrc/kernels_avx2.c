@@ -1,0 +1,198 @@
+/*
+ * kernels_avx2.c - the AVX2 + FMA path (Haswell and later, Zen).
+ *
+ * Required features: AVX2, FMA, F16C (dispatch.c checks all three).
+ * Instructions: vfmadd231ps on 8-lane ymm registers; float16 storage is
+ * widened with vcvtph2ps (F16C), bfloat16 with vpmovzxwd + vpslld 16 (a
+ * bfloat16 is the top half of a float32, so the shift is exact).
+ *
+ * Summation order (one per output element, shared by decode, batch, stack
+ * and bank):
+ *   project     t[k] = hsum8(lanes) + tail, where lane l = fma-chain over
+ *               j = l (mod 8), ascending, for j < cols rounded down to 8;
+ *               hsum8 = ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) (the fixed
+ *               128-bit-halves, movehl, shuffle tree); tail = fma-chain from
+ *               0 over the last cols mod 8 values, ascending.
+ *   accumulate  out[i] = out[i] + fma-chain from 0 over k ascending of
+ *               M[k,i]*u[k]; vector lanes and the scalar tail (fmaf, which
+ *               the FMA target turns into vfmadd) give the same bits.
+ * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads).
+ * Accumulators: project keeps 4 ranks x 2 positions = 8 independent ymm
+ * chains (FMA latency 4 x 2 ports = 8 in flight); accumulate keeps 2 row
+ * vectors x up to 4 positions = 8 chains, 11 of the 16 ymm registers.
+ */
+#include "kernels.h"
+
+#if defined(LORA_HAVE_X86)
+#include <immintrin.h>
+#include <math.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+#define INLINE_ static inline __attribute__((always_inline))
+
+INLINE_ __m256 load_f32x8_(const void *p, int64_t i, const int dt) {
+    if (dt == LORA_DTYPE_F32) return _mm256_loadu_ps((const float *)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (dt == LORA_DTYPE_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
+    if (dt == LORA_DTYPE_F32) return ((const float *)p)[i];
+    if (dt == LORA_DTYPE_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+    return lora_bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+INLINE_ float hsum_f32x8_(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* nr ranks (k .. k+nr) x nb positions; nr in {1, 4}, nb in {1, 2} */
+INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
+                           const int nb, const float *const *xs, float *t, int64_t ldt,
+                           const int dt) {
+    __m256 acc_f32x8[4][2];
+    for (int r = 0; r < nr; r++)
+        for (int b = 0; b < nb; b++) acc_f32x8[r][b] = _mm256_setzero_ps();
+    const int64_t body = cols & ~(int64_t)7;
+    for (int64_t j = 0; j < body; j += 8) {
+        __m256 x_f32x8[2];
+        for (int b = 0; b < nb; b++) x_f32x8[b] = _mm256_loadu_ps(xs[b] + j);
+        for (int r = 0; r < nr; r++) {
+            const __m256 a_f32x8 = load_f32x8_(a, (k + r) * lda + j, dt);
+            for (int b = 0; b < nb; b++)
+                acc_f32x8[r][b] = _mm256_fmadd_ps(a_f32x8, x_f32x8[b], acc_f32x8[r][b]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int b = 0; b < nb; b++) {
+            float tail = 0.0f;
+            for (int64_t j = body; j < cols; j++)
+                tail = fmaf(load_f32_(a, (k + r) * lda + j, dt), xs[b][j], tail);
+            t[b * ldt + k + r] = hsum_f32x8_(acc_f32x8[r][b]) + tail;
+        }
+    }
+}
+
+INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                      int nb, const float *const *xs, float *t, int64_t ldt, const int dt) {
+    for (int b = 0; b < nb; b += 2) {
+        const float *const *xb = xs + b;
+        float *tb = t + b * ldt;
+        int64_t k = k0;
+        if (nb - b >= 2) {
+            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 2, xb, tb, ldt, dt);
+            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 2, xb, tb, ldt, dt);
+        } else {
+            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 1, xb, tb, ldt, dt);
+            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 1, xb, tb, ldt, dt);
+        }
+    }
+}
+
+/* outputs i .. i + 8*nv of nb positions; nv in {1, 2}, nb in 1..4 */
+INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+                              const int nb, const float *u, int64_t ldu, float *const *outs,
+                              const int dt) {
+    __m256 acc_f32x8[2][4];
+    for (int v = 0; v < nv; v++)
+        for (int b = 0; b < nb; b++) acc_f32x8[v][b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kdim; k++) {
+        __m256 m_f32x8[2];
+        for (int v = 0; v < nv; v++) m_f32x8[v] = load_f32x8_(m, k * ldm + i + 8 * v, dt);
+        for (int b = 0; b < nb; b++) {
+            const __m256 u_f32x8 = _mm256_broadcast_ss(u + b * ldu + k);
+            for (int v = 0; v < nv; v++)
+                acc_f32x8[v][b] = _mm256_fmadd_ps(m_f32x8[v], u_f32x8, acc_f32x8[v][b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) {
+        for (int v = 0; v < nv; v++) {
+            float *o = outs[b] + i + 8 * v;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc_f32x8[v][b]));
+        }
+    }
+}
+
+INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                            const int nb, const float *u, int64_t ldu, float *const *outs,
+                            const int dt) {
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) accumulate_tile_(m, ldm, kdim, i, 2, nb, u, ldu, outs, dt);
+    if (i + 8 <= i1) {
+        accumulate_tile_(m, ldm, kdim, i, 1, nb, u, ldu, outs, dt);
+        i += 8;
+    }
+    for (; i < i1; i++) {
+        for (int b = 0; b < nb; b++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < kdim; k++) acc = fmaf(load_f32_(m, k * ldm + i, dt), u[b * ldu + k], acc);
+            outs[b][i] += acc;
+        }
+    }
+}
+
+INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                         int nb, const float *u, int64_t ldu, float *const *outs, const int dt) {
+    switch (nb) {  /* constant nb lets the compiler keep every accumulator in a register */
+    case 1: accumulate_nb_(m, ldm, kdim, i0, i1, 1, u, ldu, outs, dt); break;
+    case 2: accumulate_nb_(m, ldm, kdim, i0, i1, 2, u, ldu, outs, dt); break;
+    case 3: accumulate_nb_(m, ldm, kdim, i0, i1, 3, u, ldu, outs, dt); break;
+    default: accumulate_nb_(m, ldm, kdim, i0, i1, 4, u, ldu, outs, dt); break;
+    }
+}
+
+#define LORA_WRAP_(DT, NAME)                                                                  \
+    static void lora_project_##NAME##_avx2(const void *a, int64_t lda, int64_t cols,         \
+                                           int64_t k0, int64_t k1, int nb,                   \
+                                           const float *const *xs, float *t, int64_t ldt) {  \
+        project_(a, lda, cols, k0, k1, nb, xs, t, ldt, DT);                                  \
+    }                                                                                         \
+    static void lora_accumulate_##NAME##_avx2(const void *m, int64_t ldm, int64_t kdim,      \
+                                              int64_t i0, int64_t i1, int nb,                \
+                                              const float *u, int64_t ldu,                   \
+                                              float *const *outs) {                          \
+        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, outs, DT);                             \
+    }
+LORA_WRAP_(LORA_DTYPE_F32, f32)
+LORA_WRAP_(LORA_DTYPE_F16, f16)
+LORA_WRAP_(LORA_DTYPE_BF16, bf16)
+
+/* 4 independent adds in flight: enough to saturate two load ports from L1 */
+static double lora_read_avx2(const float *buf, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(buf + j));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(buf + j + 8));
+        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(buf + j + 16));
+        s3 = _mm256_add_ps(s3, _mm256_loadu_ps(buf + j + 24));
+    }
+    double s = hsum_f32x8_(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    for (; j < n; j++) s += buf[j];
+    return s;
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+const lora_kernel_table lora_kernels_avx2 = {
+    "avx2",
+    {lora_project_f32_avx2, lora_project_f16_avx2, lora_project_bf16_avx2},
+    {lora_accumulate_f32_avx2, lora_accumulate_f16_avx2, lora_accumulate_bf16_avx2},
+    lora_read_avx2,
+};
+
+#endif /* LORA_HAVE_X86 */

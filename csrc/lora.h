@@ -1,0 +1,100 @@
+/*
+ * lora.h - the C API of lora-kernels, and the cffi cdef (build.py reads the
+ * part between the LORA_CDEF markers, so this header is the one truth).
+ *
+ * The operation: out[b, :] += s * B (A x[b, :]) with A = lora_a [rank, cols],
+ * B = lora_b [rows, rank], both held by an opaque lora_delta in one storage
+ * dtype (float32, float16 or bfloat16) and computed in float32.
+ *
+ * Every entry point validates what it can see (overlap of x and out, ids in
+ * range) before its first write and returns a LORA_ERR_* status; C never
+ * aborts.  Threads split outputs, never one sum, so the bits of every output
+ * element depend only on the ISA path and the storage dtype.
+ */
+#ifndef LORA_H
+#define LORA_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* LORA_CDEF_BEGIN */
+typedef struct lora_delta lora_delta;
+
+/* status codes */
+#define LORA_OK 0
+#define LORA_ERR_NOMEM 1     /* an allocation failed (delta storage, bank scratch) */
+#define LORA_ERR_ARG 2       /* a size or leading dimension that cannot be right */
+#define LORA_ERR_OVERLAP 3   /* the bytes of x and out intersect */
+#define LORA_ERR_INDEX 4     /* a token id out of [0, rows); *bad = its position */
+#define LORA_ERR_ADAPTER 5   /* an adapter id out of [-1, n_entries); *bad = its position */
+
+/* storage dtypes */
+#define LORA_DTYPE_F32 0
+#define LORA_DTYPE_F16 1
+#define LORA_DTYPE_BF16 2
+
+/* ISA paths, lowest first */
+#define LORA_ISA_SCALAR 0
+#define LORA_ISA_AVX2 1
+#define LORA_ISA_AVX512 2
+#define LORA_ISA_NEON 3
+
+/* --- runtime: ISA choice, threads, build facts --------------------------- */
+int lora_isa_supported(int isa);        /* 1 when this CPU and build can run `isa` */
+int lora_best_isa(void);                /* the best supported path */
+int lora_get_isa(void);                 /* the path in use */
+int lora_set_isa(int isa);              /* LORA_OK, or LORA_ERR_ARG when unsupported */
+int lora_openmp(void);                  /* 1 when built with OpenMP */
+void lora_set_num_threads(int n);       /* n >= 1: a process-wide cap; 0 removes it */
+int lora_get_num_threads(void);         /* min(cap, omp_get_max_threads()) right now */
+int lora_probe_threads(void);           /* team size a call would run with right now */
+const char *lora_compiler(void);
+
+/* --- deltas --------------------------------------------------------------- */
+/* a: rank x cols values, b: rows x rank values, row-major, in the storage
+ * dtype's bits (float, or uint16 for float16/bfloat16).  Copied into aligned,
+ * packed storage.  NULL when out of memory or a dimension is < 1. */
+lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols,
+                           const void *a, const void *b);
+void lora_delta_free(lora_delta *d);
+/* copies the stored values back out, in the layout lora_delta_new took */
+void lora_delta_export(const lora_delta *d, void *a, void *b);
+
+/* decode: out[rows] += scale * B (A x[cols]) */
+int lora_add(const lora_delta *d, float scale, const void *x, void *out);
+
+/* prefill: out[b*ldo + i] += scale * (B A x[b*ldx + :])[i], b < batch */
+int lora_add_batch(const lora_delta *d, float scale, int64_t batch,
+                   const void *x, int64_t ldx, void *out, int64_t ldo);
+
+/* gather: out[i*ldo + j] += scale * (B[ids[i], :] A)[j], i < n */
+int lora_add_rows(const lora_delta *d, float scale, int64_t n, const int64_t *ids,
+                  void *out, int64_t ldo, int64_t *bad);
+
+/* stacks and banks: entry e is deltas[first[e] .. first[e+1]) applied in
+ * order, each with scales[k]; position b uses entry entry_ids[b] (-1 = none;
+ * entry_ids NULL = every position uses entry 0).  Every delta is rows x cols;
+ * a delta whose scale is 0 is skipped before any arithmetic. */
+int lora_apply_batch(int64_t n_entries, const int64_t *first,
+                     const lora_delta *const *deltas, const float *scales,
+                     const int64_t *entry_ids, int64_t rows, int64_t cols, int64_t batch,
+                     const void *x, int64_t ldx, void *out, int64_t ldo, int64_t *bad);
+int lora_apply_rows(int64_t n_entries, const int64_t *first,
+                    const lora_delta *const *deltas, const float *scales,
+                    const int64_t *entry_ids, int64_t rows, int64_t cols,
+                    int64_t n, const int64_t *ids,
+                    void *out, int64_t ldo, int64_t *bad);
+
+/* benchmark helper: reads n floats reps times over nthreads threads with the
+ * active ISA's widest loads; returns a checksum so nothing is optimised away */
+double lora_bench_read(const float *buf, int64_t n, int64_t reps, int nthreads);
+/* LORA_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LORA_H */

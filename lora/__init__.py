@@ -1,0 +1,33 @@
+"""lora-kernels: add LoRA deltas ``s * B (A x)`` in place on the CPU, with SIMD + OpenMP C kernels.
+
+    import numpy as np, lora
+    d = lora.LoraDelta(lora_a, lora_b, alpha=16)   # A [rank, cols], B [rows, rank]
+    y = W @ x                                        # your base projection
+    d.add_to(x, y)                                   # y += (alpha / rank) * B (A x)
+
+The contract (shapes, scale rules, errors, guarantees) is SPEC.md; `python -m lora info` prints
+the kernel path this machine uses.
+"""
+
+from ._runtime import __version__, get_num_threads, kernel_info, set_num_threads
+from .bank import LoraBank
+from .delta import LoraDelta, LoraStack
+from .errors import LoraFormatError, LoraShapeError
+from .loaders import LoraAdapter, load_gguf, load_peft
+from .scale import LoraScale
+
+__all__ = [
+    "LoraScale",
+    "LoraShapeError",
+    "LoraFormatError",
+    "LoraDelta",
+    "LoraStack",
+    "LoraBank",
+    "LoraAdapter",
+    "load_peft",
+    "load_gguf",
+    "set_num_threads",
+    "get_num_threads",
+    "kernel_info",
+    "__version__",
+]

@@ -1,0 +1,103 @@
+"""``python -m lora info | inspect PATH``: kernel info, and an adapter file's summary.
+
+Exit status 0 on success, 2 on a bad file or argument, with a one-line error on stderr.
+"""
+
+import argparse
+import os
+import sys
+import warnings
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):           # argparse prints usage + error; we want one line
+        raise _UsageError(message)
+
+
+def _parser():
+    p = _Parser(prog="python -m lora", description="lora-kernels: kernel info and adapter files.")
+    sub = p.add_subparsers(dest="command", metavar="{info,inspect}")
+    sub.add_parser("info", help="print lora.kernel_info(), one key per line")
+    ins = sub.add_parser("inspect", help="summarise a PEFT adapter directory or a llama.cpp GGUF")
+    ins.add_argument("path", help="PEFT adapter directory / adapter_model.safetensors, or .gguf")
+    ins.add_argument("--scale", type=float, default=1.0,
+                     help="user scale (llama.cpp --lora-scaled), default 1")
+    ins.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                     help="storage dtype (default: the file's)")
+    return p
+
+
+def _info(out):
+    import lora
+
+    for key, value in lora.kernel_info().items():
+        if isinstance(value, (list, tuple)):
+            value = ", ".join(str(v) for v in value)
+        print(f"{key}: {value}", file=out)
+
+
+def _is_gguf(path):
+    if os.path.isdir(path):
+        return False
+    with open(path, "rb") as fh:
+        return fh.read(4) == b"GGUF"
+
+
+def _inspect(args, out):
+    import lora
+
+    if not os.path.exists(args.path):
+        raise FileNotFoundError(f"no such file or directory: {args.path}")
+    fmt = "GGUF" if _is_gguf(args.path) else "PEFT"
+    load = lora.load_gguf if fmt == "GGUF" else lora.load_peft
+    adapter = load(args.path, scale=args.scale, dtype=args.dtype)
+
+    rows = [(name, f"{d.rows} x {d.cols}", str(d.rank), f"{d.alpha:g}", f"{d.effective_scale:g}",
+             d.dtype, str(d.resident_bytes)) for name, d in adapter.items()]
+    head = ("target", "rows x cols", "rank", "alpha", "eff.scale", "dtype", "bytes")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    print(f"{adapter.name}: {fmt} LoRA adapter, {len(adapter)} targets, alpha {adapter.alpha:g}, "
+          f"scale {adapter.scale.value:g}, dtype {adapter.dtype}", file=out)
+    print(line(head), file=out)
+    for r in rows:
+        print(line(r), file=out)
+    params = sum(d.rank * (d.rows + d.cols) for d in adapter.values())
+    print(f"total: {len(adapter)} targets, {params} parameters, {adapter.resident_bytes} bytes "
+          f"({adapter.resident_bytes / 2**20:.2f} MiB)", file=out)
+
+
+def main(argv=None, out=None, err=None):
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        args = _parser().parse_args(argv)
+        if args.command is None:
+            raise _UsageError("a command is required: info or inspect PATH")
+        # Warnings (skipped norm tensors, alpha 0) are shown only when the command succeeds, so
+        # that a failure prints exactly one line.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if args.command == "info":
+                _info(out)
+            else:
+                _inspect(args, out)
+    except (_UsageError, ValueError, OSError) as exc:   # LoraFormatError is a ValueError
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"python -m lora: error: {text}", file=err)
+        return 2
+    for w in caught:
+        print(f"warning: {' '.join(str(w.message).split())}", file=err)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

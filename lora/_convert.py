@@ -1,0 +1,236 @@
+"""Input checks and conversions shared by LoraDelta, LoraStack and LoraBank.
+
+Everything here runs before the first write: a call that raises leaves `out`
+exactly as it was (SPEC.md, "Input contract").
+"""
+
+import operator
+
+import numpy as np
+
+from ._lora_cffi import ffi, lib
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    ml_dtypes = None
+    BF16 = None
+
+F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
+I64 = np.dtype(np.int64)
+I64_MAX = np.iinfo(np.int64).max
+
+# storage dtype name -> (C code, numpy dtype of the stored bits' values)
+STORAGE = {
+    "float32": (lib.LORA_DTYPE_F32, F32),
+    "float16": (lib.LORA_DTYPE_F16, F16),
+    "bfloat16": (lib.LORA_DTYPE_BF16, BF16),
+}
+
+
+def storage_name(dtype):
+    """'float32' | 'float16' | 'bfloat16' from a name or a NumPy dtype; ValueError otherwise."""
+    if isinstance(dtype, str) and dtype in STORAGE:
+        return dtype
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name in STORAGE and STORAGE[name][1] is not None:
+        return name
+    raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+
+
+def is_float_dtype(dt):
+    return dt.kind == "f" or (BF16 is not None and dt == BF16)
+
+
+def float_array(value, what):
+    """np.asarray(value), which must have a real floating dtype (else TypeError)."""
+    arr = np.asarray(value)
+    if not is_float_dtype(arr.dtype):
+        raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 or "
+                        f"float64); got dtype {arr.dtype}")
+    return arr
+
+
+def _round_to_odd_f32(src):
+    """float64 -> float32 rounding to odd, so a second rounding to bfloat16 is exact RNE."""
+    t = src.astype(np.float32)
+    back = t.astype(np.float64)
+    inexact = back != src
+    over = inexact & (np.abs(back) > np.abs(src))
+    t[over] = np.nextafter(t[over], np.float32(0))
+    bits = t.view(np.uint32)
+    bits[inexact] |= np.uint32(1)
+    return t
+
+
+def to_storage(arr, name, what):
+    """Round `arr` (a real float array) to the storage dtype `name`, round-to-nearest-even.
+
+    Returns a C-contiguous array of the stored bits (float32, or uint16 for 16-bit dtypes).
+    Raises ValueError for non-finite values and for values that overflow the storage dtype.
+    """
+    wide = arr.astype(np.float64 if arr.dtype.itemsize > 4 else np.float32)
+    if not np.isfinite(wide).all():
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(wide))[0])
+        raise ValueError(f"{what} has a non-finite value ({wide[bad]}) at index {bad}")
+    with np.errstate(over="ignore"):  # an overflow is reported below, as a ValueError
+        if name == "float32":
+            out = wide.astype(np.float32)
+        elif name == "float16":
+            out = wide.astype(np.float16)  # NumPy rounds float64/float32 -> float16 directly, RNE
+        else:
+            src = _round_to_odd_f32(wide) if wide.dtype == np.float64 else wide
+            out = src.astype(BF16)
+    if not np.isfinite(out.astype(np.float32)).all():
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(out.astype(np.float32)))[0])
+        limit = float(np.finfo(np.float32).max) if name == "float32" else (
+            65504.0 if name == "float16" else float(ml_dtypes.finfo(BF16).max))
+        raise ValueError(f"{what} value {wide[bad]} at index {bad} overflows {name} "
+                         f"(largest finite: {limit:g})")
+    out = np.ascontiguousarray(out)
+    return out if name == "float32" else out.view(np.uint16)
+
+
+# ------------------------------------------------------------------ outputs
+
+
+def check_out(out, shape, what="out"):
+    """`out` must be a writeable float32 ndarray of exactly `shape` (2-D: row-strided allowed).
+
+    Returns (pointer, leading dimension in floats).
+    """
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray of float32 with shape {shape}; "
+                        f"got {type(out).__name__}")
+    if out.dtype != F32 or not out.dtype.isnative:
+        raise TypeError(f"{what} must have dtype float32 (it is updated in place, never through a "
+                        f"copy); got {out.dtype}")
+    if out.shape != shape:
+        raise ValueError(f"{what} must have shape {shape}; got {out.shape}")
+    if not out.flags.writeable:
+        raise ValueError(f"{what} is read-only; it must be a writeable float32 array")
+    if out.ndim == 1 or out.shape[0] <= 1:
+        if out.flags.c_contiguous:
+            return ffi.from_buffer(out, require_writable=True), shape[-1]
+        if out.ndim == 1:
+            raise ValueError(f"{what} must be C-contiguous; got strides {out.strides}")
+    itemsize = out.itemsize
+    row_stride = out.strides[0] if out.shape[0] > 1 else itemsize * shape[1]
+    if (out.strides[1] != itemsize and shape[1] > 1) or row_stride % itemsize \
+            or row_stride < itemsize * shape[1]:
+        raise ValueError(f"{what} must be C-contiguous or a row-strided view whose last axis is "
+                         f"contiguous (strides[-1] == {itemsize}, strides[0] >= "
+                         f"{itemsize * shape[1]}); got strides {out.strides}")
+    if out.flags.c_contiguous:
+        return ffi.from_buffer(out, require_writable=True), shape[1]
+    return ffi.cast("void *", out.__array_interface__["data"][0]), row_stride // itemsize
+
+
+def check_rows_out(out, cols, what="out"):
+    """`out` [n, cols] for the row gathers; returns (pointer, ldo, n)."""
+    if isinstance(out, np.ndarray) and out.ndim == 2:
+        op, ldo = check_out(out, (out.shape[0], cols), what)
+        return op, ldo, out.shape[0]
+    check_out(out, (getattr(out, "shape", (0,))[:1] or (0,))[0:1] + (cols,), what)
+    raise ValueError(f"{what} must have shape (n, {cols}) = [n, cols]; got {out.shape}")
+
+
+# ------------------------------------------------------------------- inputs
+
+
+def _no_overlap(x, out):
+    if isinstance(x, np.ndarray) and np.may_share_memory(x, out):
+        raise ValueError("x and out overlap in memory; out must not alias x")
+
+
+def prepare_vec(x, out, cols, rows):
+    """Checks for add_to: out [rows], x [cols]; returns (x, x pointer, out pointer)."""
+    op, _ = check_out(out, (rows,))
+    xa = float_array(x, "x")
+    if xa.shape != (cols,):
+        raise ValueError(f"x must have shape ({cols},) = [cols]; got {xa.shape}")
+    if xa.dtype != F32 or not xa.flags.c_contiguous or not xa.dtype.isnative:
+        _no_overlap(xa, out)
+        xa = np.ascontiguousarray(xa, dtype=F32)
+    return xa, ffi.from_buffer(xa), op
+
+
+def prepare_mat(x, out, cols, rows, out_what="out"):
+    """Checks for add_batch_to: out [batch, rows], x [batch, cols].
+
+    Returns (x, x pointer, ldx, out pointer, ldo, batch).
+    """
+    if not isinstance(out, np.ndarray) or out.ndim != 2:
+        # the full check names the wrong type, dtype or shape against [batch, rows]
+        check_out(out, (getattr(out, "shape", (0,))[:1] or (0,))[0:1] + (rows,), out_what)
+        raise ValueError(f"{out_what} must have shape (batch, {rows}); got {out.shape}")
+    batch = out.shape[0]
+    op, ldo = check_out(out, (batch, rows), out_what)
+    xa = float_array(x, "x")
+    if xa.shape != (batch, cols):
+        raise ValueError(f"x must have shape ({batch}, {cols}) = [batch, cols] to match out "
+                         f"{out.shape}; got {xa.shape}")
+    if (xa.dtype == F32 and xa.dtype.isnative and (xa.strides[1] == 4 or cols == 1)
+            and (batch <= 1 or (xa.strides[0] % 4 == 0 and xa.strides[0] >= 4 * cols))):
+        if xa.flags.c_contiguous:
+            return xa, ffi.from_buffer(xa), cols, op, ldo, batch
+        ldx = xa.strides[0] // 4 if batch > 1 else cols
+        return xa, ffi.cast("void *", xa.__array_interface__["data"][0]), ldx, op, ldo, batch
+    _no_overlap(xa, out)
+    xa = np.ascontiguousarray(xa, dtype=F32)
+    return xa, ffi.from_buffer(xa), cols, op, ldo, batch
+
+
+def as_ids(ids, what, n=None):
+    """A 1-D int64 C-contiguous copy (or view) of integer ids; TypeError for bool/float ids."""
+    arr = np.asarray(ids)
+    if arr.size == 0 and arr.dtype.kind == "f":
+        arr = arr.astype(I64)  # `[]` is float64 to NumPy; no id, nothing to misread
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers; got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D; got shape {arr.shape}")
+    if n is not None and arr.shape[0] != n:
+        raise ValueError(f"{what} has {arr.shape[0]} ids; out has {n} positions")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size:
+        big = np.flatnonzero(arr > np.uint64(I64_MAX))
+        if big.size:
+            raise IndexError(f"{what}: id {int(arr[big[0]])} at position {int(big[0])} is out "
+                             f"of range")
+    if arr.dtype != I64 or not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr, dtype=I64)
+    return arr
+
+
+def token_id(r, rows):
+    """One token id for add_row_to: an int (not bool, not float) in [0, rows)."""
+    if isinstance(r, (bool, np.bool_)) or isinstance(r, (float, np.floating)):
+        raise TypeError(f"token id must be an integer; got {type(r).__name__}")
+    try:
+        r = operator.index(r)
+    except TypeError:
+        raise TypeError(f"token id must be an integer; got {type(r).__name__}") from None
+    if not 0 <= r < rows:
+        raise IndexError(f"token id {r} is out of range [0, {rows}) for this embedding")
+    return r
+
+
+def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=None, bad=None):
+    """Turn a LORA_ERR_* status from the C layer into the matching Python exception."""
+    pos = int(bad[0]) if bad is not None else -1
+    if status == lib.LORA_ERR_OVERLAP:
+        raise ValueError("x and out overlap in memory; out must not alias x")
+    if status == lib.LORA_ERR_INDEX:
+        raise IndexError(f"token id {int(ids[pos])} at position {pos} is out of range [0, {rows})")
+    if status == lib.LORA_ERR_ADAPTER:
+        raise IndexError(f"adapter id {int(adapter_ids[pos])} at position {pos} is out of range: "
+                         f"valid ids are -1 (no adapter) and 0..{n_entries - 1}")
+    if status == lib.LORA_ERR_NOMEM:
+        raise MemoryError("lora-kernels: out of memory for kernel scratch")
+    raise ValueError(f"lora-kernels: invalid arguments (status {status})")

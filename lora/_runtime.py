@@ -1,0 +1,94 @@
+"""The compiled extension, ISA choice, threads and kernel_info()."""
+
+import os
+import warnings
+
+from ._lora_cffi import ffi, lib
+
+__all__ = ["set_num_threads", "get_num_threads", "kernel_info"]
+
+__version__ = "0.1.0"
+
+ISA_CODES = {
+    "scalar": lib.LORA_ISA_SCALAR,
+    "avx2": lib.LORA_ISA_AVX2,
+    "avx512": lib.LORA_ISA_AVX512,
+    "neon": lib.LORA_ISA_NEON,
+}
+ISA_NAMES = {code: name for name, code in ISA_CODES.items()}
+
+
+def available_isas():
+    """The ISA paths this CPU and build can run, lowest first."""
+    return [name for name, code in ISA_CODES.items() if lib.lora_isa_supported(code)]
+
+
+def isa():
+    """The ISA path in use ("scalar", "avx2", "avx512" or "neon")."""
+    return ISA_NAMES[lib.lora_get_isa()]
+
+
+def set_isa(name):
+    """Switch the ISA path for the whole process (tests use this); returns the previous name.
+
+    Raises ``ValueError`` for a path this CPU or build cannot run.  Unlike ``LORA_ISA`` it never
+    falls back silently: a test that asks for avx512 must get avx512.
+    """
+    previous = isa()
+    code = ISA_CODES.get(name)
+    if code is None or lib.lora_set_isa(code) != lib.LORA_OK:
+        raise ValueError(f"ISA {name!r} is not available here; available: {available_isas()}")
+    return previous
+
+
+def _apply_env_isa():
+    """LORA_ISA=scalar|avx2|avx512|neon can only lower the choice (SPEC.md, Threads/ISA)."""
+    want = os.environ.get("LORA_ISA", "").strip().lower()
+    if not want:
+        return
+    best = ISA_NAMES[lib.lora_best_isa()]
+    if want not in ISA_CODES:
+        warnings.warn(f"LORA_ISA={want!r} is not a known ISA path (scalar, avx2, avx512, neon); "
+                      f"using {best}", RuntimeWarning, stacklevel=3)
+    elif not lib.lora_isa_supported(ISA_CODES[want]):
+        warnings.warn(f"LORA_ISA={want!r} is not supported by this CPU or build "
+                      f"(available: {', '.join(available_isas())}); using {best}",
+                      RuntimeWarning, stacklevel=3)
+    else:
+        lib.lora_set_isa(ISA_CODES[want])
+
+
+_apply_env_isa()
+
+
+def set_num_threads(n):
+    """Cap the threads every kernel call may use, process-wide.
+
+    ``n`` must be an int >= 1 (``TypeError`` / ``ValueError`` otherwise).  The threads a call uses
+    are ``min(n, omp_get_max_threads())`` read at that call, passed as an OpenMP ``num_threads``
+    clause, so ``OMP_NUM_THREADS`` and ``threadpoolctl`` limits keep working.
+    """
+    if isinstance(n, bool) or not hasattr(n, "__index__"):
+        raise TypeError(f"set_num_threads needs an int >= 1, got {type(n).__name__}")
+    n = n.__index__()
+    if n < 1:
+        raise ValueError(f"set_num_threads needs an int >= 1, got {n}")
+    lib.lora_set_num_threads(min(n, 1 << 30))
+
+
+def get_num_threads():
+    """The threads a kernel call would use right now (1 in a build without OpenMP)."""
+    return lib.lora_get_num_threads()
+
+
+def kernel_info():
+    """What the extension runs on: a dict with ``isa`` (the path in use), ``available_isas``,
+    ``openmp`` (bool), ``threads`` (``get_num_threads()``), ``compiler`` and ``version``."""
+    return {
+        "isa": isa(),
+        "available_isas": available_isas(),
+        "openmp": bool(lib.lora_openmp()),
+        "threads": get_num_threads(),
+        "compiler": ffi.string(lib.lora_compiler()).decode("ascii", "replace"),
+        "version": __version__,
+    }

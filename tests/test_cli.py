@@ -1,0 +1,125 @@
+"""`python -m lora info | inspect PATH`, run as a user runs it: a subprocess of this interpreter."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lora
+
+import _adapter_files as af
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PEFT_DIR = FIXTURES / "peft_r8_alpha16"
+GGUF_LORA = FIXTURES / "gguf" / "lora_r8_alpha16_f32.gguf"
+# the directory holding the `lora` this test imported (installed, editable or built in place),
+# so the subprocess runs the very same package
+LORA_ROOT = Path(lora.__file__).resolve().parent.parent
+
+
+def _run(*args):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(LORA_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return subprocess.run([sys.executable, "-m", "lora", *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def _meta(name):
+    with np.load(FIXTURES / name) as z:
+        return json.loads(str(z["meta_json"]))
+
+
+def _target_lines(stdout, names):
+    lines = stdout.splitlines()
+    return {name: next(l for l in lines if l.split()[:1] == [name]) for name in names}
+
+
+def test_inspect_peft_directory():
+    res = _run("inspect", PEFT_DIR)
+    assert res.returncode == 0, res.stderr
+    modules = _meta("peft_r8_alpha16_reference.npz")["modules"]
+    lines = _target_lines(res.stdout, modules)
+    for name, line in lines.items():
+        rows, cols = modules[name]["base_weight_shape"]
+        # name, rows x cols, rank, alpha, effective scale, dtype, bytes
+        assert line.split() == [name, str(rows), "x", str(cols), "8", "16", "2", "float32",
+                                str(8 * (rows + cols) * 4)]
+    total = sum(8 * (r + c) * 4 for r, c in (m["base_weight_shape"] for m in modules.values()))
+    assert res.stdout.splitlines()[0].startswith("peft_r8_alpha16: PEFT")
+    assert f"total: {len(modules)} targets" in res.stdout and f"{total} bytes" in res.stdout
+    assert len(res.stdout.splitlines()) == len(modules) + 3        # title, header, targets, total
+
+
+def test_inspect_peft_safetensors_file_with_scale():
+    res = _run("inspect", PEFT_DIR / "adapter_model.safetensors", "--scale", "0.25")
+    assert res.returncode == 0, res.stderr
+    line = _target_lines(res.stdout, ["lm_head"])["lm_head"]
+    assert line.split()[6] == "0.5"                                 # 0.25 * 16 / 8
+
+
+def test_inspect_gguf():
+    res = _run("inspect", GGUF_LORA, "--scale", "0.5")
+    assert res.returncode == 0, res.stderr
+    tensors = _meta("llamacpp_r8_alpha16_f32_reference.npz")["tensors"]
+    lines = _target_lines(res.stdout, tensors)
+    for name, line in lines.items():
+        n_in, n_out = tensors[name]["base_ne"]
+        assert line.split() == [name, str(n_out), "x", str(n_in), "8", "16", "1", "float32",
+                                str(8 * (n_in + n_out) * 4)]
+    assert res.stdout.splitlines()[0].startswith("Peft_R8_Alpha16: GGUF")
+
+
+def test_inspect_shows_warnings_only_on_success(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = af.gguf_linear(rng, "blk.0.attn_q.weight", 8, 16, 2)
+    tensors.append(("blk.0.attn_norm.weight", np.ones(16, np.float32), None))
+    res = _run("inspect", af.write_gguf(tmp_path / "n.gguf", tensors))
+    assert res.returncode == 0, res.stderr
+    assert "blk.0.attn_norm.weight" in res.stderr and "blk.0.attn_q.weight" in res.stdout
+
+
+@pytest.mark.parametrize("case", ["base_model", "truncated", "missing", "not_adapter"])
+def test_inspect_bad_file_exits_2_with_one_line(tmp_path, case):
+    if case == "base_model":
+        path, names = FIXTURES / "gguf" / "base_f32.gguf", ["general.type"]
+    elif case == "truncated":
+        path = af.write_gguf(tmp_path / "cut.gguf", af.gguf_linear(np.random.default_rng(1),
+                                                                   "blk.0.attn_q.weight", 8, 16, 2))
+        af.truncate(path, -5)
+        names = ["blk.0.attn_q.weight.lora_b"]
+    elif case == "missing":
+        path, names = tmp_path / "nothing_here", []
+    else:
+        weights = {"model.layers.0.q_proj.weight": np.ones((2, 2), np.float32)}
+        path = af.write_peft(tmp_path / "p", weights, af.peft_config())
+        names = ["model.layers.0.q_proj.weight"]
+    res = _run("inspect", path)
+    assert res.returncode == 2
+    assert res.stdout == ""
+    err = res.stderr.splitlines()
+    assert len(err) == 1, res.stderr
+    assert str(path) in err[0] and all(n in err[0] for n in names)
+
+
+@pytest.mark.parametrize("args", [[], ["inspect"], ["bogus"],
+                                  ["inspect", str(PEFT_DIR), "--dtype", "int8"],
+                                  ["inspect", str(PEFT_DIR), "--scale", "nan"]])
+def test_bad_arguments_exit_2_with_one_line(args):
+    res = _run(*args)
+    assert res.returncode == 2
+    assert len(res.stderr.splitlines()) == 1, res.stderr
+
+
+def test_info_prints_kernel_info():
+    res = _run("info")
+    assert res.returncode == 0, res.stderr
+    info = lora.kernel_info()
+    lines = res.stdout.splitlines()
+    assert [l.split(":", 1)[0] for l in lines] == list(info)
+    got = dict(l.split(": ", 1) for l in lines)
+    assert got["isa"] == info["isa"]
+    assert got["available_isas"].split(", ") == list(info["available_isas"])
