@@ -52,12 +52,15 @@ GB/s and GFLOP/s are these numbers over the median time.
 Roofline
 --------
 At start-up the read bandwidth of each memory level is measured with the extension's C read
-kernel ``lora_bench_read`` (OpenMP, same thread count, best of N) on buffers of half the
-per-core L1d and L2 per thread, a slice of the L3 and a buffer of 4x the L3 (>= 256 MiB) for
-DRAM.  A workload's working set (= its bytes per call, which the timed loop re-reads every
+kernel ``lora_bench_read`` (OpenMP, same thread count, best of N rounds over all levels) on
+buffers of half the per-core L1d and L2 per thread, a slice of the L3 and a buffer of 4x the L3
+(>= 256 MiB, <= 2 GiB) for DRAM.  A workload's working set (= its bytes per call, which the timed loop re-reads every
 call) lives in the smallest level that holds it: L1/L2 if bytes/threads <= 3/4 of the per-core
-cache, L3 if bytes <= 1/2 of the L3, else DRAM.  The lower bound of a call's time is
-max(bytes / bandwidth(level), flops / peak), with peak = threads x nominal GHz x SIMD lanes
+cache, L3 if bytes <= 1/2 of the L3, else DRAM.  The model sweep is the exception: its bandwidth
+is that of the read kernel on a buffer as large as the sweep's working set, measured interleaved
+with it (on a CPU whose L3 is nearly as large as the 155 MB sweep, part of it stays in L3); its
+DRAM target divides by the DRAM figure, also re-measured alongside.  The lower bound of a call's
+time is max(bytes / bandwidth(level), flops / peak), with peak = threads x nominal GHz x SIMD lanes
 x 2 (FMA) x 2 FMA ports; "% roof" is that bound over the measured median.
 
 The script clears ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` (by re-executing itself before
@@ -238,30 +241,41 @@ def bandwidth_buffers(caches, threads):
 
 
 def measure_bandwidth(threads, caches, trials, progress):
-    """Read bandwidth per level with the extension's C kernel (best of `trials`), bytes/s."""
+    """Read bandwidth per level with the extension's C kernel, bytes/s: the best of `trials`
+    rounds, each round visiting every level (a noisy second on a shared machine then spoils one
+    trial of each level, not all trials of one)."""
     from lora._lora_cffi import ffi, lib  # the private bench kernel, see the module docstring
 
     read = lib.lora_bench_read
-    out, dram_reader = {}, None
+    bufs = {}
     for level, nbytes in bandwidth_buffers(caches, threads).items():
-        progress(f"bandwidth {level} ({fmt_bytes(nbytes)})")
+        progress(f"bandwidth: allocating {level} buffer ({fmt_bytes(nbytes)})")
         n = (nbytes // 4) // 64 * 64
-        buf = np.ones(n, dtype=np.float32)
-        ptr = ffi.from_buffer("float[]", buf)
+        buf = np.ones(n, dtype=np.float32)  # written: paged in
         reps = max(1, int(512e6 // (n * 4)))  # >= 512 MB read per trial (>= 1 ms even from L1)
-        time.sleep(0.2)  # let pools started by the set-up (OpenBLAS spins ~0.1 s) go idle
-        read(ptr, n, 1, threads)  # page in, warm the cache level
-        best = math.inf
-        for _ in range(trials):
+        bufs[level] = (buf, ffi.from_buffer("float[]", buf), n, reps)
+    time.sleep(0.2)  # let pools started by the set-up (OpenBLAS spins ~0.1 s) go idle
+    best = dict.fromkeys(bufs, math.inf)
+    for t in range(trials):
+        progress(f"bandwidth: trial {t + 1}/{trials}")
+        for level, (_, ptr, n, reps) in bufs.items():
+            read(ptr, n, 1, threads)  # warm this level
             t0 = time.perf_counter_ns()
             read(ptr, n, reps, threads)
-            best = min(best, (time.perf_counter_ns() - t0) * 1e-9)
-        out[level] = {"buffer_bytes": n * 4, "reps": reps, "bytes_per_s": n * 4 * reps / best}
-        if level == "DRAM":  # kept: the sweep re-measures DRAM interleaved with itself
-            dram_reader = Impl(read, ptr, n, 1, threads)
-            dram_reader.keep = buf
-        del buf, ptr
-    return out, dram_reader
+            best[level] = min(best[level], (time.perf_counter_ns() - t0) * 1e-9)
+    out = {lv: {"buffer_bytes": n * 4, "reps": reps, "bytes_per_s": n * 4 * reps / best[lv]}
+           for lv, (_, _, n, reps) in bufs.items()}
+    buf, _, n, _ = bufs["DRAM"]  # kept: the sweep re-measures DRAM interleaved with itself
+    return out, make_reader(buf, threads)
+
+
+def make_reader(buf, threads):
+    """An Impl that reads the float32 array `buf` once with the C read kernel (a reference)."""
+    from lora._lora_cffi import ffi, lib
+
+    r = Impl(lib.lora_bench_read, ffi.from_buffer("float[]", buf), buf.size, 1, threads)
+    r.keep = buf
+    return r
 
 
 _LANES = {"avx512": 16, "avx2": 8, "neon": 4, "scalar": 1}
@@ -410,6 +424,19 @@ class CpuMonitor:
         wall = max(time.monotonic() - self.t0, 1e-3)
         other = (busy - self.busy0) - (t.user + t.system - self.own0) + (steal - self.steal0)
         return max(0.0, other / wall)
+
+
+def wait_quiet(monitor, budget_s, status):
+    """Sleep in 0.5 s steps until other processes use < 0.1 CPU, for at most budget_s seconds."""
+    end = time.monotonic() + budget_s
+    while time.monotonic() < end:
+        monitor.mark()
+        time.sleep(0.5)
+        busy = monitor.others()
+        if busy is None or busy < 0.1:
+            return True
+        status(f"waiting for a quiet machine (others use {busy:.1f} CPU)")
+    return False
 
 
 def summarize(values):
@@ -710,9 +737,16 @@ def build_sweep(ctx, layers, rank, dtype):
         for f, x, o in calls:
             f(x, o)
 
+    w = 4 if dtype == "float32" else 2
+    nbytes = flops = 0
+    for rows, cols, _, _ in pairs:
+        b_, f_ = linear_model(rows, cols, [rank], 1, w)
+        nbytes, flops = nbytes + b_, flops + f_
     impls = {"ours": Impl(ours)}
-    if ctx.dram_reader is not None:  # a reference, not a baseline: DRAM read bandwidth right now
-        impls["_dram_read"] = ctx.dram_reader
+    if ctx.dram_reader is not None:  # references, not baselines, measured alongside the sweep:
+        impls["_dram_read"] = ctx.dram_reader  # DRAM read bandwidth right now (the target's)
+        # and a read of as many bytes as the sweep moves (its roof: part of them may stay in L3)
+        impls["_same_size_read"] = make_reader(np.ones(nbytes // 4 // 64 * 64, np.float32), ctx.threads)
     mm, add, mul = np.matmul, np.add, np.multiply
     if dtype == "float32":
         o_n, o_t = outs(), outs()
@@ -776,11 +810,6 @@ def build_sweep(ctx, layers, rank, dtype):
         return np.concatenate([s * (b.astype(np.float64) @ (a.astype(np.float64) @ xs[cols]))
                                for rows, cols, a, b in pairs[:7]])
 
-    w = 4 if dtype == "float32" else 2
-    nbytes = flops = 0
-    for rows, cols, _, _ in pairs:
-        b_, f_ = linear_model(rows, cols, [rank], 1, w)
-        nbytes, flops = nbytes + b_, flops + f_
     return Built(impls, nbytes, flops, (ours_once, ref_once, _TOL[dtype]))
 
 
@@ -906,6 +935,7 @@ class Ctx:
     torch: object
     rng: object
     dram_reader: object = None  # Impl reading the DRAM-sized buffer once (or None)
+    threads: int = 1
     cache: dict = field(default_factory=dict)
 
 
@@ -954,6 +984,9 @@ def run_workload(wl, ctx, cfg, progress):
         raise AssertionError(f"result differs from the float64 reference: relative error {err:.2e} > {tol:.0e}")
     samples = measure(built.impls, cfg, progress.status, wl.name)
     res["impls"] = {name: {**summarize(v), "calls_per_sample": built.impls[name].k} for name, v in samples.items()}
+    for name, impl in built.impls.items():
+        if getattr(impl, "keep", None) is not None:  # a read reference: record its size
+            res["impls"][name]["bytes"] = impl.keep.nbytes
     return res
 
 
@@ -964,12 +997,16 @@ def analyse(wl, res, bw, peak, threads, caches, by_key):
     res["gflop_per_s"] = res["flops"] / t / 1e9
     level = level_for(res["bytes"], threads, caches)
     res["level"] = level
-    if "_dram_read" in res["impls"] and bw:
-        res["dram_now_bytes_per_s"] = bw["DRAM"]["buffer_bytes"] / res["impls"]["_dram_read"]["median_s"]
+    if "_dram_read" in res["impls"]:
+        r = res["impls"]["_dram_read"]
+        res["dram_now_bytes_per_s"] = r["bytes"] / r["median_s"]
+    if "_same_size_read" in res["impls"]:
+        r = res["impls"]["_same_size_read"]
+        res["same_size_read_bytes_per_s"] = r["bytes"] / r["median_s"]
     if bw:
         level_bw = bw[level]["bytes_per_s"]
-        if level == "DRAM" and "dram_now_bytes_per_s" in res:
-            level_bw = res["dram_now_bytes_per_s"]
+        if "same_size_read_bytes_per_s" in res:  # the sweep: a read of its own size, alongside
+            level_bw = res["same_size_read_bytes_per_s"]
         bound = res["bytes"] / level_bw
         binds = "memory"
         if peak and res["flops"] / peak > bound:
@@ -1030,7 +1067,11 @@ def targets(W, bw):
             dram = r.get("dram_now_bytes_per_s", bw["DRAM"]["bytes_per_s"]) / 1e9
             val = r["gb_per_s"] / dram
             detail = (f"{r['gb_per_s']:.1f} of {dram:.1f} GB/s DRAM read bandwidth measured alongside "
-                      f"(at start-up: {bw['DRAM']['bytes_per_s'] / 1e9:.1f})")
+                      f"(at start-up: {bw['DRAM']['bytes_per_s'] / 1e9:.1f}")
+            if "same_size_read_bytes_per_s" in r:
+                detail += f"; a read of the sweep's {fmt_bytes(r['bytes'])}: " \
+                          f"{r['same_size_read_bytes_per_s'] / 1e9:.1f} GB/s"
+            detail += ")"
         row(f"sweep {dt} vs DRAM bandwidth", val, 0.8, detail=detail)
     w = sweeps.get("bfloat16")
     r = w.result if w is not None and "speedup" in w.result else None
@@ -1075,7 +1116,8 @@ _DT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _BASE_NAMES = {
     "numpy_naive": "NumPy naive", "numpy_tuned": "NumPy tuned", "torch": "PyTorch",
     "numpy_group": "NumPy grouping", "gather_einsum": "gather+einsum", "torch_group": "PyTorch grouping",
-    "single": "single-adapter add_batch_to", "_dram_read": "DRAM read reference", "numpy_naive_f32": "NumPy naive (f32)",
+    "single": "single-adapter add_batch_to", "_dram_read": "DRAM read reference",
+    "_same_size_read": "same-size read reference", "numpy_naive_f32": "NumPy naive (f32)",
     "numpy_tuned_f32": "NumPy tuned (f32)", "ours_f32": "ours f32", "torch_f32": "PyTorch f32",
 }
 
@@ -1303,6 +1345,9 @@ def parse_args(argv):
     p.add_argument("--min-sample-ms", type=float, help="shortest sample (default 1 ms; quick 0.3 ms)")
     p.add_argument("--settle-ms", type=float, help="idle time before each timed block (default 200; quick 150)")
     p.add_argument("--sweep-layers", type=int, help="layers of the model sweep (default 32; quick 8)")
+    p.add_argument("--wait-quiet", type=float, default=0, metavar="S",
+                   help="on a shared machine: before each workload wait up to S seconds for other "
+                   "processes to go idle, and measure a workload again once if they did not stay idle")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
@@ -1369,7 +1414,7 @@ def main(argv=None):
     meta["bandwidth"] = bw
     meta["peak_flops"] = peak_flops(threads, cpu.get("mhz"), kinfo.get("isa"))
 
-    ctx = Ctx(lora, torch, np.random.default_rng(0), dram_reader)
+    ctx = Ctx(lora, torch, np.random.default_rng(0), dram_reader, threads)
     monitor = CpuMonitor()
     time.sleep(0.5)
     busy = monitor.others()
@@ -1380,10 +1425,15 @@ def main(argv=None):
     by_key = {}
     for w in W:
         progress.step(f"{w.name} {_DT[w.dtype]}")
-        monitor.mark()
         try:
-            w.result = run_workload(w, ctx, cfg, progress)
-            w.result["others_cpu"] = monitor.others()
+            for attempt in range(2 if args.wait_quiet else 1):
+                if args.wait_quiet:
+                    wait_quiet(monitor, args.wait_quiet, progress.status)
+                monitor.mark()
+                w.result = run_workload(w, ctx, cfg, progress)
+                w.result["others_cpu"] = monitor.others()
+                if (w.result["others_cpu"] or 0) <= _BUSY:
+                    break
             w.result["torch_used"] = torch is not None
             analyse(w, w.result, bw, meta["peak_flops"], threads, cpu["caches"], by_key)
         except Skip as e:
