@@ -351,6 +351,8 @@ class TimingConfig:
     impl_budget_s: float  # per implementation and round: fewer samples for slow ones (>= 2)
     settle_s: float  # idle time before each block, so other libraries' pools stop spinning
     warm_s: float = 0.02  # warm-up before each block (discarded)
+    quiet_wait_s: float = 0.0  # --wait-quiet: longest wait for idle CPUs before re-measuring a block
+    quiet_retries: int = 3
 
 
 def calibrate(impl, cfg):
@@ -364,29 +366,44 @@ def calibrate(impl, cfg):
     impl.k = k
 
 
-def measure(impls, cfg, progress, label):
-    """Per-call samples (seconds) for every impl; rounds visit the impls in turn.
+def measure(impls, cfg, progress, label, monitor=None):
+    """Per-call samples (seconds) for every impl, and the most CPU other processes took during
+    an accepted block; rounds visit the impls in turn.
 
     Each block starts with `settle_s` of sleep: OpenBLAS's idle workers spin for ~0.1 s after a
     call (2^28 cycles) and OpenMP's for a while too, and on a 2-core machine a spinning pool of
     the previous library slows the next one by 10-100x.  Then a discarded warm-up (the pool
-    that slept must wake), then the samples.
+    that slept must wake), then the samples.  With `cfg.quiet_wait_s`, a block during which
+    other processes were busy is thrown away and measured again once they are idle (at most
+    `cfg.quiet_retries` times).
     """
     samples = {name: [] for name in impls}
+    busy_max = None
     for r in range(cfg.rounds):
         for name, impl in impls.items():
-            progress(f"{label}: {name} (round {r + 1}/{cfg.rounds})")
-            time.sleep(cfg.settle_s)
-            if r == 0:
-                calibrate(impl, cfg)
-            warm, t_end = 0.0, time.perf_counter() + cfg.warm_s
-            while True:
-                warm = impl.run(impl.k)
-                if time.perf_counter() >= t_end:
+            for attempt in range(cfg.quiet_retries + 1):
+                progress(f"{label}: {name} (round {r + 1}/{cfg.rounds})" + (f", retry {attempt}" if attempt else ""))
+                if cfg.quiet_wait_s and monitor is not None and attempt:
+                    wait_quiet(monitor, cfg.quiet_wait_s, progress)
+                time.sleep(cfg.settle_s)
+                if monitor is not None:
+                    monitor.mark()
+                if r == 0 and attempt == 0:
+                    calibrate(impl, cfg)
+                warm, t_end = 0.0, time.perf_counter() + cfg.warm_s
+                while True:
+                    warm = impl.run(impl.k)
+                    if time.perf_counter() >= t_end:
+                        break
+                n = max(2, min(cfg.samples, int(cfg.impl_budget_s / max(warm, 1e-9))))
+                block = [impl.run(impl.k) / impl.k for _ in range(n)]
+                busy = monitor.others() if monitor is not None else None
+                if busy is None or busy <= _BUSY or not cfg.quiet_wait_s or attempt == cfg.quiet_retries:
                     break
-            n = max(2, min(cfg.samples, int(cfg.impl_budget_s / max(warm, 1e-9))))
-            samples[name].extend(impl.run(impl.k) / impl.k for _ in range(n))
-    return samples
+            samples[name].extend(block)
+            if busy is not None:
+                busy_max = max(busy_max or 0.0, busy)
+    return samples, busy_max
 
 
 class CpuMonitor:
@@ -975,14 +992,14 @@ def rel_err(ours, ref):
     return float(np.linalg.norm(np.asarray(ours, np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def run_workload(wl, ctx, cfg, progress):
+def run_workload(wl, ctx, cfg, progress, monitor=None):
     built = wl.build(ctx)
     ours_once, ref_once, tol = built.check
     err = rel_err(ours_once(), ref_once())
     res = {"bytes": built.bytes, "flops": built.flops, "check_rel_err": err}
     if not err <= tol:
         raise AssertionError(f"result differs from the float64 reference: relative error {err:.2e} > {tol:.0e}")
-    samples = measure(built.impls, cfg, progress.status, wl.name)
+    samples, res["others_cpu"] = measure(built.impls, cfg, progress.status, wl.name, monitor)
     res["impls"] = {name: {**summarize(v), "calls_per_sample": built.impls[name].k} for name, v in samples.items()}
     for name, impl in built.impls.items():
         if getattr(impl, "keep", None) is not None:  # a read reference: record its size
@@ -1347,7 +1364,8 @@ def parse_args(argv):
     p.add_argument("--sweep-layers", type=int, help="layers of the model sweep (default 32; quick 8)")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="S",
                    help="on a shared machine: before each workload wait up to S seconds for other "
-                   "processes to go idle, and measure a workload again once if they did not stay idle")
+                   "processes to go idle, and measure a timed block again (up to 3 times, after "
+                   "waiting up to S seconds) when they were busy during it")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
@@ -1366,6 +1384,7 @@ def main(argv=None):
         rounds=args.rounds or (1 if quick else 3),
         impl_budget_s=0.15 if quick else 0.6,
         settle_s=(args.settle_ms if args.settle_ms is not None else 150 if quick else 200) * 1e-3,
+        quiet_wait_s=args.wait_quiet,
     )
     sweep_layers = args.sweep_layers or (8 if quick else 32)
     notes = []
@@ -1426,14 +1445,9 @@ def main(argv=None):
     for w in W:
         progress.step(f"{w.name} {_DT[w.dtype]}")
         try:
-            for attempt in range(2 if args.wait_quiet else 1):
-                if args.wait_quiet:
-                    wait_quiet(monitor, args.wait_quiet, progress.status)
-                monitor.mark()
-                w.result = run_workload(w, ctx, cfg, progress)
-                w.result["others_cpu"] = monitor.others()
-                if (w.result["others_cpu"] or 0) <= _BUSY:
-                    break
+            if args.wait_quiet:
+                wait_quiet(monitor, args.wait_quiet, progress.status)
+            w.result = run_workload(w, ctx, cfg, progress, monitor)
             w.result["torch_used"] = torch is not None
             analyse(w, w.result, bw, meta["peak_flops"], threads, cpu["caches"], by_key)
         except Skip as e:
