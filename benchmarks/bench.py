@@ -51,8 +51,9 @@ GB/s and GFLOP/s are these numbers over the median time.
 
 Roofline
 --------
-At start-up the read bandwidth of each memory level is measured with the extension's C read
-kernel ``lora_bench_read`` (OpenMP, same thread count, best of N rounds over all levels) on
+The read bandwidth of each memory level is measured with the extension's C read
+kernel ``lora_bench_read`` (OpenMP, same thread count, best of N rounds over all levels, at
+start-up and again at the end, keeping the better figure) on
 buffers of half the per-core L1d and L2 per thread, a slice of the L3 and a buffer of 4x the L3
 (>= 256 MiB, <= 2 GiB) for DRAM.  A workload's working set (= its bytes per call, which the timed loop re-reads every
 call) lives in the smallest level that holds it: L1/L2 if bytes/threads <= 3/4 of the per-core
@@ -240,10 +241,11 @@ def bandwidth_buffers(caches, threads):
     return {"L1": l1 // 2 * threads, "L2": l2 // 2 * threads, "L3": l3_buf, "DRAM": dram}
 
 
-def measure_bandwidth(threads, caches, trials, progress):
+def measure_bandwidth(threads, caches, trials, progress, monitor=None, quiet_wait_s=0.0, retries=3):
     """Read bandwidth per level with the extension's C kernel, bytes/s: the best of `trials`
     rounds, each round visiting every level (a noisy second on a shared machine then spoils one
-    trial of each level, not all trials of one)."""
+    trial of each level, not all trials of one).  With `quiet_wait_s`, a round during which other
+    processes were busy is repeated once they are idle."""
     from lora._lora_cffi import ffi, lib  # the private bench kernel, see the module docstring
 
     read = lib.lora_bench_read
@@ -257,12 +259,23 @@ def measure_bandwidth(threads, caches, trials, progress):
     time.sleep(0.2)  # let pools started by the set-up (OpenBLAS spins ~0.1 s) go idle
     best = dict.fromkeys(bufs, math.inf)
     for t in range(trials):
-        progress(f"bandwidth: trial {t + 1}/{trials}")
-        for level, (_, ptr, n, reps) in bufs.items():
-            read(ptr, n, 1, threads)  # warm this level
-            t0 = time.perf_counter_ns()
-            read(ptr, n, reps, threads)
-            best[level] = min(best[level], (time.perf_counter_ns() - t0) * 1e-9)
+        for attempt in range(retries + 1):
+            progress(f"bandwidth: trial {t + 1}/{trials}" + (f", retry {attempt}" if attempt else ""))
+            if attempt and quiet_wait_s and monitor is not None:
+                wait_quiet(monitor, quiet_wait_s, progress)
+            if monitor is not None:
+                monitor.mark()
+            times = {}
+            for level, (_, ptr, n, reps) in bufs.items():
+                read(ptr, n, 1, threads)  # warm this level
+                t0 = time.perf_counter_ns()
+                read(ptr, n, reps, threads)
+                times[level] = (time.perf_counter_ns() - t0) * 1e-9
+            busy = monitor.others() if monitor is not None else None
+            if busy is None or busy <= _BUSY or not quiet_wait_s or attempt == retries:
+                break
+        for level, dt in times.items():
+            best[level] = min(best[level], dt)
     out = {lv: {"buffer_bytes": n * 4, "reps": reps, "bytes_per_s": n * 4 * reps / best[lv]}
            for lv, (_, _, n, reps) in bufs.items()}
     buf, _, n, _ = bufs["DRAM"]  # kept: the sweep re-measures DRAM interleaved with itself
@@ -1168,7 +1181,7 @@ def header_lines(meta):
     if meta["bandwidth"]:
         bw = meta["bandwidth"]
         lines.append(f"read bandwidth (C kernel lora_bench_read, {meta['threads']} threads, best of "
-                     f"{meta['bw_trials']}): " + ", ".join(
+                     f"{meta['bw_trials']} at start and at end): " + ", ".join(
                          f"{lv} {bw[lv]['bytes_per_s'] / 1e9:.1f} GB/s ({fmt_bytes(bw[lv]['buffer_bytes'])})"
                          for lv in LEVELS))
     if meta.get("peak_flops"):
@@ -1357,7 +1370,7 @@ def parse_args(argv):
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
     p.add_argument("--only", metavar="TEXT", action="append",
                    help="run only workloads whose name or group contains TEXT (repeatable)")
-    p.add_argument("--rounds", type=int, help="rounds over the implementations (default 3; quick 1)")
+    p.add_argument("--rounds", type=int, help="rounds over the implementations (default 5; quick 1)")
     p.add_argument("--samples", type=int, help="samples per implementation and round (default 5; quick 3)")
     p.add_argument("--min-sample-ms", type=float, help="shortest sample (default 1 ms; quick 0.3 ms)")
     p.add_argument("--settle-ms", type=float, help="idle time before each timed block (default 200; quick 150)")
@@ -1381,7 +1394,7 @@ def main(argv=None):
     cfg = TimingConfig(
         min_sample_s=(args.min_sample_ms or (0.3 if quick else 1.0)) * 1e-3,
         samples=args.samples or (3 if quick else 5),
-        rounds=args.rounds or (1 if quick else 3),
+        rounds=args.rounds or (1 if quick else 5),
         impl_budget_s=0.15 if quick else 0.6,
         settle_s=(args.settle_ms if args.settle_ms is not None else 150 if quick else 200) * 1e-3,
         quiet_wait_s=args.wait_quiet,
@@ -1410,7 +1423,7 @@ def main(argv=None):
         "lora_threads": lora.get_num_threads(), "blas_threads": ", ".join(str(b.get("num_threads")) for b in blas) or "-",
         "torch_threads": torch.get_num_threads() if torch is not None else None,
         "blas": blas, "openblas_cleared": os.environ.get(_REEXEC_NOTE),
-        "timing": cfg.__dict__, "sweep_layers": sweep_layers, "bw_trials": 5 if quick else 10,
+        "timing": cfg.__dict__, "sweep_layers": sweep_layers, "bw_trials": 3 if quick else 6,
     }
     if meta["lora_threads"] != threads:
         notes.append(f"lora runs {meta['lora_threads']} threads, not the {threads} asked for "
@@ -1419,21 +1432,9 @@ def main(argv=None):
     W = workloads(quick, sweep_layers)
     if args.only:
         W = [w for w in W if any(t in f"{w.name} {w.group} {w.dtype}" for t in args.only)]
-    progress = Progress(len(W) + 1, enabled=not args.no_progress)
+    progress = Progress(len(W) + 2, enabled=not args.no_progress)
     failures = 0
 
-    progress.step("bandwidth")
-    bw = dram_reader = None
-    try:
-        bw, dram_reader = measure_bandwidth(threads, cpu["caches"], meta["bw_trials"], progress.status)
-    except Exception as e:
-        failures += 1
-        notes.append(f"ERROR: bandwidth measurement failed, no roofline ({type(e).__name__}: {e})")
-        traceback.print_exc()
-    meta["bandwidth"] = bw
-    meta["peak_flops"] = peak_flops(threads, cpu.get("mhz"), kinfo.get("isa"))
-
-    ctx = Ctx(lora, torch, np.random.default_rng(0), dram_reader, threads)
     monitor = CpuMonitor()
     time.sleep(0.5)
     busy = monitor.others()
@@ -1441,7 +1442,20 @@ def main(argv=None):
     if busy is not None and busy > 0.2:
         notes.append(f"the machine was busy at start: other processes used {busy:.1f} CPUs; "
                      "multi-threaded timings will be noisy (rows marked !)")
-    by_key = {}
+    def bandwidth(when):
+        progress.step(f"bandwidth ({when})")
+        if args.wait_quiet:
+            wait_quiet(monitor, args.wait_quiet, progress.status)
+        try:
+            return measure_bandwidth(threads, cpu["caches"], meta["bw_trials"], progress.status, monitor,
+                                     args.wait_quiet)
+        except Exception as e:
+            notes.append(f"ERROR: bandwidth measurement ({when}) failed ({type(e).__name__}: {e})")
+            traceback.print_exc()
+            return None, None
+
+    bw, dram_reader = bandwidth("start")
+    ctx = Ctx(lora, torch, np.random.default_rng(0), dram_reader, threads)
     for w in W:
         progress.step(f"{w.name} {_DT[w.dtype]}")
         try:
@@ -1449,7 +1463,6 @@ def main(argv=None):
                 wait_quiet(monitor, args.wait_quiet, progress.status)
             w.result = run_workload(w, ctx, cfg, progress, monitor)
             w.result["torch_used"] = torch is not None
-            analyse(w, w.result, bw, meta["peak_flops"], threads, cpu["caches"], by_key)
         except Skip as e:
             w.result = {"skip": str(e)}
         except Exception as e:
@@ -1457,12 +1470,28 @@ def main(argv=None):
             w.result = {"error": f"{type(e).__name__}: {e}"}
             print(f"\nbench: {w.name} {w.dtype} failed:", file=sys.stderr)
             traceback.print_exc()
-        if w.dtype == "float32":
-            by_key[w.key] = w
         if w.group == "sweep" and w.dtype == "bfloat16":
             ctx.cache.clear()  # the last user of the sweep's source arrays
+    ctx.dram_reader = dram_reader = None
+    # measured again at the end: noise only ever lowers a bandwidth, so keep the better figure
+    bw_end, _ = bandwidth("end")
+    if bw and bw_end:
+        for lv in bw:
+            if bw_end[lv]["bytes_per_s"] > bw[lv]["bytes_per_s"]:
+                bw[lv] = bw_end[lv]
+    bw = bw or bw_end
+    if bw is None:
+        failures += 1
+    meta["bandwidth"] = bw
+    meta["peak_flops"] = peak_flops(threads, cpu.get("mhz"), kinfo.get("isa"))
     progress.done()
     limiter.restore_original_limits()
+    by_key = {}
+    for w in W:
+        if "impls" in w.result:
+            analyse(w, w.result, bw, meta["peak_flops"], threads, cpu["caches"], by_key)
+        if w.dtype == "float32":
+            by_key[w.key] = w
 
     trows = targets(W, bw)
     out = header_lines(meta) + [""] + table_lines(W) + [""]
