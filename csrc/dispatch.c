@@ -3,8 +3,8 @@
  * OpenMP drivers.  The ISA files hold only kernels; all threading is here.
  *
  * Threading model.  Positions are cut into blocks of up to LORA_NB; a block
- * is one project + scale + accumulate (or, for the gather, one scale of B's
- * row + accumulate of A).  With many blocks, threads take whole blocks.  With
+ * is one project + accumulate (t = A x, out += s * B t) or, for the gather,
+ * one accumulate of A (out += s * B[id] A).  With many blocks, threads take whole blocks.  With
  * few (decode, small prefill) the whole team works on each block: threads
  * split the rank outputs of A.x, meet at a barrier, then split the rows of
  * B.y (the gather splits its columns and needs no barrier).  Either way a
@@ -168,6 +168,15 @@ static void aligned_free_(void *p) {
 
 static int64_t round_up_(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+/* Row length of packed A / B^T: a multiple of LORA_PAD, nudged off multiples
+ * of 256 elements.  Rows 4 KiB apart (cols = 4096 in float32) all map to the
+ * same L1 set, and a project tile reads up to 8 such rows at once (the
+ * accumulate reads one row per rank index): the nudge spreads them over sets. */
+static int64_t packed_ld_(int64_t n) {
+    const int64_t ld = round_up_(n, LORA_PAD);
+    return ld % 256 == 0 ? ld + 16 : ld;
+}
+
 lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
                            const void *b) {
     if (dtype < LORA_DTYPE_F32 || dtype > LORA_DTYPE_BF16 || rank < 1 || rows < 1 || cols < 1)
@@ -176,7 +185,7 @@ lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, 
      * products under 2^62 */
     const int64_t lim = (int64_t)1 << 40;
     if (rank > lim || rows > lim || cols > lim) return NULL;
-    const int64_t lda = round_up_(cols, LORA_PAD), ldb = round_up_(rows, LORA_PAD);
+    const int64_t lda = packed_ld_(cols), ldb = packed_ld_(rows);
     const size_t isz = lora_dtype_size(dtype);
     if (rank > ((int64_t)1 << 62) / (lda > ldb ? lda : ldb) / 4) return NULL;
     lora_delta *d = (lora_delta *)calloc(1, sizeof *d);
@@ -306,27 +315,23 @@ static void run_block_(const plan_ *p, int64_t blk, float *t, int tid, int nt, i
         const int64_t r = d->rank;
         int64_t lo, hi;
         if (gather) {
-            /* u = s * B[tok, :]; every thread builds its own u and owns its columns */
+            /* u = B[tok, :]; every thread builds its own u and owns its columns */
             for (int b = 0; b < nb; b++)
                 for (int64_t k = 0; k < r; k++)
-                    t[b * r + k] = s * lora_load_f32(d->bt, k * d->ldb + tok[b], d->dtype);
+                    t[b * r + k] = lora_load_f32(d->bt, k * d->ldb + tok[b], d->dtype);
             split_(d->cols, tid, nt, 16, &lo, &hi);
-            if (lo < hi) p->kt->accumulate[d->dtype](d->a, d->lda, r, lo, hi, nb, t, r, outs);
+            if (lo < hi) p->kt->accumulate[d->dtype](d->a, d->lda, r, lo, hi, nb, t, r, s, outs);
             continue;
         }
         split_(r, tid, nt, 1, &lo, &hi);
-        if (lo < hi) {
-            p->kt->project[d->dtype](d->a, d->lda, d->cols, lo, hi, nb, xs, t, r);
-            for (int b = 0; b < nb; b++)
-                for (int64_t k = lo; k < hi; k++) t[b * r + k] *= s;
-        }
+        if (lo < hi) p->kt->project[d->dtype](d->a, d->lda, d->cols, lo, hi, nb, xs, t, r);
 #ifdef _OPENMP
         if (nt > 1) {
 #pragma omp barrier
         }
 #endif
         split_(d->rows, tid, nt, 16, &lo, &hi);
-        if (lo < hi) p->kt->accumulate[d->dtype](d->bt, d->ldb, r, lo, hi, nb, t, r, outs);
+        if (lo < hi) p->kt->accumulate[d->dtype](d->bt, d->ldb, r, lo, hi, nb, t, r, s, outs);
 #ifdef _OPENMP
         /* t is reused by the next delta or block: wait until every thread is done with it */
         if (nt > 1 && !(last && q + 1 == p->first[entry + 1])) {
@@ -468,9 +473,11 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
                      int64_t batch, const void *x, int64_t ldx, void *out, int64_t ldo,
                      int64_t *bad) {
     if (batch > 1 && (ldx < cols || ldo < rows)) return LORA_ERR_ARG;
+    if (((uintptr_t)x | (uintptr_t)out) % sizeof(float)) return LORA_ERR_ALIGN;
     if (batch > 0 && ranges_overlap_(x, ((batch - 1) * ldx + cols) * 4, out,
                                      ((batch - 1) * ldo + rows) * 4))
         return LORA_ERR_OVERLAP;
+    if ((uintptr_t)entry_ids % sizeof(int64_t)) return LORA_ERR_ALIGN;
     plan_ p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf;
     int st = plan_call_(&p, n_entries, first, deltas, scales, entry_ids, rows, cols, batch, out,
@@ -487,6 +494,9 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
                     const float *scales, const int64_t *entry_ids, int64_t rows, int64_t cols,
                     int64_t n, const int64_t *ids, void *out, int64_t ldo, int64_t *bad) {
     if (n > 1 && ldo < cols) return LORA_ERR_ARG;
+    if ((uintptr_t)out % sizeof(float) || (uintptr_t)ids % sizeof(int64_t) ||
+        (uintptr_t)entry_ids % sizeof(int64_t))
+        return LORA_ERR_ALIGN;
     plan_ p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf;
     int st = plan_call_(&p, n_entries, first, deltas, scales, entry_ids, rows, cols, n, out, ldo,

@@ -5,6 +5,7 @@
  * Packed storage (chosen at construction, see lora_delta_new):
  *   a  = lora_a [rank, lda]  row-major, lda  = cols rounded up to 32, zero pad
  *   bt = lora_b^T [rank, ldb], ldb = rows rounded up to 32, zero pad
+ *   (+16 more when that is a multiple of 256, so rows do not alias in L1)
  * so both hot loops stream unit-stride rows of 64-byte aligned memory: the
  * projection reads rows of A against x, the accumulation reads rows of B^T
  * (one per rank index) into a strip of outputs, and the token gather reads
@@ -12,8 +13,10 @@
  *
  * The two kernel shapes every ISA provides, per storage dtype:
  *   project:    t[b*ldt + k] = sum_j A[k, j] * xs[b][j]       k in [k0, k1)
- *   accumulate: outs[b][i]  += sum_k M[k, i] * u[b*ldu + k]   i in [i0, i1)
- *               (M = B^T for the B.y step, M = A for the gather)
+ *   accumulate: outs[b][i]  += scale * sum_k M[k, i] * u[b*ldu + k]   i in [i0, i1)
+ *               (M = B^T for the B.y step, M = A for the gather; the scale
+ *               multiplies the finished sum, as NumPy's out + s * ((x @ A.T)
+ *               @ B.T) does, so half-precision products stay exact)
  * for nb <= LORA_NB positions at once, so one load of the adapter feeds nb
  * positions.  Each output element's summation order is fixed by the ISA file
  * alone (its header says which) and never depends on nb, on [k0, k1) or on
@@ -33,9 +36,14 @@
 #define LORA_HAVE_X86 1
 #endif
 
-#define LORA_NB 4          /* positions per kernel call */
+#define LORA_NB 4          /* positions per kernel call (8 measured slower) */
 #define LORA_PAD 32        /* lda / ldb are multiples of this (64 B for 16-bit, 128 B for f32) */
 #define LORA_ALIGN 64
+/* accumulate sums over the rank in blocks of this many terms: a chain from 0
+ * inside each block, then the blocks' sums in order.  Rank <= 16 is one plain
+ * chain; at rank 256 the rounding error drops about 4x against one chain,
+ * which keeps high ranks within SPEC's accuracy rule (2x NumPy's error). */
+#define LORA_KBLOCK 16
 
 struct lora_delta {
     int dtype;
@@ -50,7 +58,8 @@ typedef void (*lora_project_fn)(const void *a, int64_t lda, int64_t cols,
                                 const float *const *xs, float *t, int64_t ldt);
 typedef void (*lora_accumulate_fn)(const void *m, int64_t ldm, int64_t kdim,
                                    int64_t i0, int64_t i1, int nb,
-                                   const float *u, int64_t ldu, float *const *outs);
+                                   const float *u, int64_t ldu, float scale,
+                                   float *const *outs);
 typedef double (*lora_read_fn)(const float *buf, int64_t n);
 
 typedef struct {

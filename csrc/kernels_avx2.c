@@ -13,13 +13,16 @@
  *               hsum8 = ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) (the fixed
  *               128-bit-halves, movehl, shuffle tree); tail = fma-chain from
  *               0 over the last cols mod 8 values, ascending.
- *   accumulate  out[i] = out[i] + fma-chain from 0 over k ascending of
- *               M[k,i]*u[k]; vector lanes and the scalar tail (fmaf, which
- *               the FMA target turns into vfmadd) give the same bits.
+ *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
+ *               fma-chain from 0 over k in [16m, 16m+16) ascending of
+ *               M[k,i]*u[k] (LORA_KBLOCK), then out[i] = fma(total, s,
+ *               out[i]) (one rounding); vector lanes and the scalar tail
+ *               (fmaf, which the FMA target turns into vfmadd) give the same
+ *               bits.
  * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads).
  * Accumulators: project keeps 4 ranks x 2 positions = 8 independent ymm
  * chains (FMA latency 4 x 2 ports = 8 in flight); accumulate keeps 2 row
- * vectors x up to 4 positions = 8 chains, 11 of the 16 ymm registers.
+ * vectors x 2 positions = 4 block chains plus their 4 running totals.
  */
 #include "kernels.h"
 
@@ -99,55 +102,72 @@ INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int6
     }
 }
 
-/* outputs i .. i + 8*nv of nb positions; nv in {1, 2}, nb in 1..4 */
+/* outputs i .. i + 8*nv of nb positions; nv in {1, 2}, nb in {1, 2}: 4
+ * block sums + 4 running totals + 3 operands = 11 of the 16 ymm registers */
 INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
-                              const int nb, const float *u, int64_t ldu, float *const *outs,
-                              const int dt) {
-    __m256 acc_f32x8[2][4];
-    for (int v = 0; v < nv; v++)
-        for (int b = 0; b < nb; b++) acc_f32x8[v][b] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < kdim; k++) {
-        __m256 m_f32x8[2];
-        for (int v = 0; v < nv; v++) m_f32x8[v] = load_f32x8_(m, k * ldm + i + 8 * v, dt);
-        for (int b = 0; b < nb; b++) {
-            const __m256 u_f32x8 = _mm256_broadcast_ss(u + b * ldu + k);
-            for (int v = 0; v < nv; v++)
-                acc_f32x8[v][b] = _mm256_fmadd_ps(m_f32x8[v], u_f32x8, acc_f32x8[v][b]);
+                              const int nb, const float *u, int64_t ldu, float scale,
+                              float *const *outs, const int dt) {
+    __m256 total_f32x8[2][2] = {{_mm256_setzero_ps()}}, block_f32x8[2][2];
+    for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+        const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
+        for (int v = 0; v < nv; v++)
+            for (int b = 0; b < nb; b++) block_f32x8[v][b] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) {
+            __m256 m_f32x8[2];
+            for (int v = 0; v < nv; v++) m_f32x8[v] = load_f32x8_(m, k * ldm + i + 8 * v, dt);
+            for (int b = 0; b < nb; b++) {
+                const __m256 u_f32x8 = _mm256_broadcast_ss(u + b * ldu + k);
+                for (int v = 0; v < nv; v++)
+                    block_f32x8[v][b] = _mm256_fmadd_ps(m_f32x8[v], u_f32x8, block_f32x8[v][b]);
+            }
         }
+        for (int v = 0; v < nv; v++)
+            for (int b = 0; b < nb; b++)
+                total_f32x8[v][b] = k0 == 0 ? block_f32x8[v][b]
+                                            : _mm256_add_ps(total_f32x8[v][b], block_f32x8[v][b]);
     }
     for (int b = 0; b < nb; b++) {
         for (int v = 0; v < nv; v++) {
             float *o = outs[b] + i + 8 * v;
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc_f32x8[v][b]));
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(total_f32x8[v][b], _mm256_set1_ps(scale),
+                                                _mm256_loadu_ps(o)));
         }
     }
 }
 
 INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                            const int nb, const float *u, int64_t ldu, float *const *outs,
-                            const int dt) {
+                            const int nb, const float *u, int64_t ldu, float scale,
+                            float *const *outs, const int dt) {
     int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) accumulate_tile_(m, ldm, kdim, i, 2, nb, u, ldu, outs, dt);
+    for (; i + 16 <= i1; i += 16) accumulate_tile_(m, ldm, kdim, i, 2, nb, u, ldu, scale, outs, dt);
     if (i + 8 <= i1) {
-        accumulate_tile_(m, ldm, kdim, i, 1, nb, u, ldu, outs, dt);
+        accumulate_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, dt);
         i += 8;
     }
-    for (; i < i1; i++) {
+    for (; i < i1; i++) {  /* the same blocked chains, one lane at a time */
         for (int b = 0; b < nb; b++) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < kdim; k++) acc = fmaf(load_f32_(m, k * ldm + i, dt), u[b * ldu + k], acc);
-            outs[b][i] += acc;
+            float total = 0.0f;
+            for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+                const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
+                float block = 0.0f;
+                for (int64_t k = k0; k < k1; k++)
+                    block = fmaf(load_f32_(m, k * ldm + i, dt), u[b * ldu + k], block);
+                total = k0 == 0 ? block : total + block;
+            }
+            outs[b][i] = fmaf(total, scale, outs[b][i]);
         }
     }
 }
 
 INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                         int nb, const float *u, int64_t ldu, float *const *outs, const int dt) {
-    switch (nb) {  /* constant nb lets the compiler keep every accumulator in a register */
-    case 1: accumulate_nb_(m, ldm, kdim, i0, i1, 1, u, ldu, outs, dt); break;
-    case 2: accumulate_nb_(m, ldm, kdim, i0, i1, 2, u, ldu, outs, dt); break;
-    case 3: accumulate_nb_(m, ldm, kdim, i0, i1, 3, u, ldu, outs, dt); break;
-    default: accumulate_nb_(m, ldm, kdim, i0, i1, 4, u, ldu, outs, dt); break;
+                         int nb, const float *u, int64_t ldu, float scale, float *const *outs,
+                         const int dt) {
+    /* positions in pairs; a constant pair size keeps every accumulator in a register */
+    for (int b = 0; b < nb; b += 2) {
+        if (nb - b >= 2)
+            accumulate_nb_(m, ldm, kdim, i0, i1, 2, u + b * ldu, ldu, scale, outs + b, dt);
+        else
+            accumulate_nb_(m, ldm, kdim, i0, i1, 1, u + b * ldu, ldu, scale, outs + b, dt);
     }
 }
 
@@ -159,9 +179,9 @@ INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, i
     }                                                                                         \
     static void lora_accumulate_##NAME##_avx2(const void *m, int64_t ldm, int64_t kdim,      \
                                               int64_t i0, int64_t i1, int nb,                \
-                                              const float *u, int64_t ldu,                   \
+                                              const float *u, int64_t ldu, float scale,      \
                                               float *const *outs) {                          \
-        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, outs, DT);                             \
+        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, DT);                      \
     }
 LORA_WRAP_(LORA_DTYPE_F32, f32)
 LORA_WRAP_(LORA_DTYPE_F16, f16)

@@ -12,13 +12,18 @@
  *               j = l (mod 16), ascending, the last partial vector loaded
  *               with a mask (masked-off lanes add 0*0); reduce16 is GCC's
  *               _mm512_reduce_add_ps tree (halves 256, 128, 64, 32 bits).
- *   accumulate  out[i] = out[i] + fma-chain from 0 over k ascending of
- *               M[k,i]*u[k]; the tail is the same chain in masked lanes.
+ *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
+ *               fma-chain from 0 over k in [16m, 16m+16) ascending of
+ *               M[k,i]*u[k] (LORA_KBLOCK), then out[i] = fma(total, s,
+ *               out[i]) (one rounding); the tail is the same in masked lanes.
  * Tail strategy: masked loads and stores, no scalar tail.
- * Accumulators: project keeps 4 ranks x up to 4 positions = 16 zmm chains
- * (FMA latency 4 x 2 ports needs 8; 16 also amortises each x load over 4
- * ranks and each A load over 4 positions); accumulate keeps 4 row vectors x
- * up to 4 positions = 16 chains, 21 of the 32 zmm registers.
+ * Accumulators: up to 16 zmm chains per tile (FMA latency 4 x 2 ports needs
+ * 8): project tiles are nr ranks x nb positions with nr = 8 for nb <= 2 and
+ * 4 for nb <= 4, so one A load feeds nb positions and one x load nr ranks;
+ * accumulate tiles are nv row vectors x nb positions, nv * nb = 8 block
+ * chains (each with its running total over rank blocks).
+ * Project walks columns in 512-wide chunks so the nb x rows stay in L1
+ * across rank tiles (see project_nb_).
  */
 #include "kernels.h"
 
@@ -52,43 +57,67 @@ INLINE_ __m512 load_masked_f32x16_(const void *p, int64_t i, __mmask16 mask, con
 
 INLINE_ __mmask16 tail_mask_(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
-/* nr ranks (k .. k+nr) x nb positions; nr in {1, 4}, nb in 1..4 */
-INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
-                           const int nb, const float *const *xs, float *t, int64_t ldt,
+/* Project.  Ranks are taken KGROUP_ at a time; for each, the columns are
+ * walked in chunks of CHUNK_, and within a chunk every tile of nr ranks x nb
+ * positions reads the same nb x-chunks, which stay in L1 (4 x 2 KiB) while A
+ * streams from L2 once per block instead of x once per rank tile.  (Measured
+ * on Sapphire Rapids, 512 x 4096 rank 16, one thread: 1295 us against
+ * 1565 us without chunks; 8-position blocks and packing x into a panel were
+ * both slower.)  A tile's lane accumulators live in `state` between chunks:
+ * chunk edges are multiples of 16, so each lane still sums its j = l (mod 16)
+ * terms in ascending j, as the header says. */
+#define CHUNK_ 512
+#define KGROUP_ 32
+
+/* nr ranks x nb positions (nr * nb <= 16) over columns [j0, j1) (whole
+ * vectors); accumulators in state[r*nb + b] */
+INLINE_ void project_tile_(const void *a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
+                           const int nr, const int nb, const float *const *xs, __m512 *state,
                            const int dt) {
-    __m512 acc_f32x16[4][4];
-    for (int r = 0; r < nr; r++)
-        for (int b = 0; b < nb; b++) acc_f32x16[r][b] = _mm512_setzero_ps();
-    const int64_t body = cols & ~(int64_t)15;
-    for (int64_t j = 0; j < body; j += 16) {
-        __m512 x_f32x16[4];
+    __m512 acc_f32x16[16];
+    for (int i = 0; i < nr * nb; i++) acc_f32x16[i] = state[i];
+    for (int64_t j = j0; j < j1; j += 16) {
+        __m512 x_f32x16[8];
         for (int b = 0; b < nb; b++) x_f32x16[b] = _mm512_loadu_ps(xs[b] + j);
         for (int r = 0; r < nr; r++) {
             const __m512 a_f32x16 = load_f32x16_(a, (k + r) * lda + j, dt);
             for (int b = 0; b < nb; b++)
-                acc_f32x16[r][b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r][b]);
+                acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r * nb + b]);
         }
     }
-    if (body < cols) {
-        const __mmask16 mask = tail_mask_(cols - body);
-        __m512 x_f32x16[4];
-        for (int b = 0; b < nb; b++) x_f32x16[b] = _mm512_maskz_loadu_ps(mask, xs[b] + body);
-        for (int r = 0; r < nr; r++) {
-            const __m512 a_f32x16 = load_masked_f32x16_(a, (k + r) * lda + body, mask, dt);
-            for (int b = 0; b < nb; b++)
-                acc_f32x16[r][b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r][b]);
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int b = 0; b < nb; b++) t[b * ldt + k + r] = _mm512_reduce_add_ps(acc_f32x16[r][b]);
+    for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
 }
 
 INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                          const int nb, const float *const *xs, float *t, int64_t ldt,
                          const int dt) {
-    int64_t k = k0;
-    for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, nb, xs, t, ldt, dt);
-    for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, nb, xs, t, ldt, dt);
+    /* nr * nb <= 16 accumulators (+ nb x vectors + 1 A vector <= 32 zmm) */
+    const int nr = nb <= 2 ? 8 : 4;
+    __m512 state[KGROUP_ * LORA_NB];
+    const int64_t body = cols & ~(int64_t)15;
+    for (int64_t kg = k0; kg < k1; kg += KGROUP_) {
+        const int kn = (int)(k1 - kg < KGROUP_ ? k1 - kg : KGROUP_);
+        for (int i = 0; i < kn * nb; i++) state[i] = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < body; j0 += CHUNK_) {
+            const int64_t j1 = j0 + CHUNK_ < body ? j0 + CHUNK_ : body;
+            int k = 0;
+            for (; k + nr <= kn; k += nr)
+                project_tile_(a, lda, kg + k, j0, j1, nr, nb, xs, state + k * nb, dt);
+            for (; k < kn; k++) project_tile_(a, lda, kg + k, j0, j1, 1, nb, xs, state + k * nb, dt);
+        }
+        const __mmask16 mask = tail_mask_(cols - body);
+        for (int k = 0; k < kn; k++) {
+            const __m512 a_f32x16 = body < cols ? load_masked_f32x16_(a, (kg + k) * lda + body, mask, dt)
+                                                : _mm512_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                __m512 acc_f32x16 = state[k * nb + b];
+                if (body < cols)
+                    acc_f32x16 = _mm512_fmadd_ps(a_f32x16, _mm512_maskz_loadu_ps(mask, xs[b] + body),
+                                                 acc_f32x16);
+                t[b * ldt + kg + k] = _mm512_reduce_add_ps(acc_f32x16);
+            }
+        }
+    }
 }
 
 INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
@@ -102,52 +131,61 @@ INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int6
 }
 
 /* outputs i .. i + 16*nv of nb positions (the last vector masked by `last`);
- * nv in 1..4, nb in 1..4 */
+ * nv * nb <= 8 block sums + 8 running totals + nv + 1 operands <= 25 zmm */
 INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                               __mmask16 last, const int nb, const float *u, int64_t ldu,
-                              float *const *outs, const int dt) {
-    __m512 acc_f32x16[4][4];
-    for (int v = 0; v < nv; v++)
-        for (int b = 0; b < nb; b++) acc_f32x16[v][b] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kdim; k++) {
-        __m512 m_f32x16[4];
-        for (int v = 0; v < nv; v++)
-            m_f32x16[v] = v == nv - 1 ? load_masked_f32x16_(m, k * ldm + i + 16 * v, last, dt)
-                                      : load_f32x16_(m, k * ldm + i + 16 * v, dt);
-        for (int b = 0; b < nb; b++) {
-            const __m512 u_f32x16 = _mm512_set1_ps(u[b * ldu + k]);
+                              float scale, float *const *outs, const int dt) {
+    __m512 total_f32x16[8] = {_mm512_setzero_ps()}, block_f32x16[8];
+    for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+        const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
+        for (int q = 0; q < nv * nb; q++) block_f32x16[q] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) {
+            __m512 m_f32x16[8];
             for (int v = 0; v < nv; v++)
-                acc_f32x16[v][b] = _mm512_fmadd_ps(m_f32x16[v], u_f32x16, acc_f32x16[v][b]);
+                m_f32x16[v] = v == nv - 1 ? load_masked_f32x16_(m, k * ldm + i + 16 * v, last, dt)
+                                          : load_f32x16_(m, k * ldm + i + 16 * v, dt);
+            for (int b = 0; b < nb; b++) {
+                const __m512 u_f32x16 = _mm512_set1_ps(u[b * ldu + k]);
+                for (int v = 0; v < nv; v++)
+                    block_f32x16[v * nb + b] =
+                        _mm512_fmadd_ps(m_f32x16[v], u_f32x16, block_f32x16[v * nb + b]);
+            }
         }
+        for (int q = 0; q < nv * nb; q++)
+            total_f32x16[q] = k0 == 0 ? block_f32x16[q] : _mm512_add_ps(total_f32x16[q], block_f32x16[q]);
     }
     for (int b = 0; b < nb; b++) {
         for (int v = 0; v < nv; v++) {
             float *o = outs[b] + i + 16 * v;
             const __mmask16 mask = v == nv - 1 ? last : (__mmask16)0xffff;
-            const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), acc_f32x16[v][b]);
+            const __m512 sum = _mm512_fmadd_ps(total_f32x16[v * nb + b], _mm512_set1_ps(scale),
+                                               _mm512_maskz_loadu_ps(mask, o));
             _mm512_mask_storeu_ps(o, mask, sum);
         }
     }
 }
 
 INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                            const int nb, const float *u, int64_t ldu, float *const *outs,
-                            const int dt) {
+                            const int nb, const float *u, int64_t ldu, float scale,
+                            float *const *outs, const int dt) {
+    const int nv = nb == 1 ? 8 : nb == 2 ? 4 : 2;
     int64_t i = i0;
-    for (; i + 64 <= i1; i += 64)
-        accumulate_tile_(m, ldm, kdim, i, 4, (__mmask16)0xffff, nb, u, ldu, outs, dt);
+    for (; i + 16 * nv <= i1; i += 16 * nv)
+        accumulate_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt);
     for (; i + 16 <= i1; i += 16)
-        accumulate_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, outs, dt);
-    if (i < i1) accumulate_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, outs, dt);
+        accumulate_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt);
+    if (i < i1)
+        accumulate_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, dt);
 }
 
 INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                         int nb, const float *u, int64_t ldu, float *const *outs, const int dt) {
+                         int nb, const float *u, int64_t ldu, float scale, float *const *outs,
+                         const int dt) {
     switch (nb) {
-    case 1: accumulate_nb_(m, ldm, kdim, i0, i1, 1, u, ldu, outs, dt); break;
-    case 2: accumulate_nb_(m, ldm, kdim, i0, i1, 2, u, ldu, outs, dt); break;
-    case 3: accumulate_nb_(m, ldm, kdim, i0, i1, 3, u, ldu, outs, dt); break;
-    default: accumulate_nb_(m, ldm, kdim, i0, i1, 4, u, ldu, outs, dt); break;
+    case 1: accumulate_nb_(m, ldm, kdim, i0, i1, 1, u, ldu, scale, outs, dt); break;
+    case 2: accumulate_nb_(m, ldm, kdim, i0, i1, 2, u, ldu, scale, outs, dt); break;
+    case 3: accumulate_nb_(m, ldm, kdim, i0, i1, 3, u, ldu, scale, outs, dt); break;
+    default: accumulate_nb_(m, ldm, kdim, i0, i1, 4, u, ldu, scale, outs, dt); break;
     }
 }
 
@@ -159,9 +197,9 @@ INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, i
     }                                                                                         \
     static void lora_accumulate_##NAME##_avx512(const void *m, int64_t ldm, int64_t kdim,    \
                                                 int64_t i0, int64_t i1, int nb,              \
-                                                const float *u, int64_t ldu,                 \
+                                                const float *u, int64_t ldu, float scale,    \
                                                 float *const *outs) {                        \
-        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, outs, DT);                             \
+        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, DT);                      \
     }
 LORA_WRAP_(LORA_DTYPE_F32, f32)
 LORA_WRAP_(LORA_DTYPE_F16, f16)

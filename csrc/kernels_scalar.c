@@ -14,11 +14,13 @@
  *               l = sum over j = l (mod 8), ascending j, of A[k,j]*x[j]
  *               (8 lanes so the compiler may keep them in two SSE/NEON
  *               registers; the tail j's fall into their own lanes).
- *   accumulate  out[i] = out[i] + (((0 + M[0,i]u[0]) + M[1,i]u[1]) + ...),
- *               ascending k, then one add into out.
+ *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
+ *               (((0 + M[k,i]u[k]) + M[k+1,i]u[k+1]) + ...) over k in
+ *               [16m, 16m+16) ascending (LORA_KBLOCK); then out[i] + s * total
+ *               (a multiply, then an add).
  * Tail strategy: the lane index is j mod 8, so the tail needs no special
- * case.  Accumulators: 8 lanes in project, a strip of 64 outputs in
- * accumulate.
+ * case.  Accumulators: 8 lanes in project, a strip of 64 outputs (block sums
+ * and running totals) in accumulate.
  */
 #include "kernels.h"
 
@@ -46,26 +48,30 @@ static inline void project_(const void *a, int64_t lda, int64_t cols, int64_t k0
 }
 
 static inline void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0,
-                               int64_t i1, int nb, const float *u, int64_t ldu,
+                               int64_t i1, int nb, const float *u, int64_t ldu, float scale,
                                float *const *outs, const int dt) {
-    float strip[STRIP_];
+    float total[STRIP_], block[STRIP_];
     for (int b = 0; b < nb; b++) {
         const float *ub = u + b * ldu;
         float *out = outs[b];
         for (int64_t i = i0; i < i1; i += STRIP_) {
             const int n = (int)(i1 - i < STRIP_ ? i1 - i : STRIP_);
-            for (int l = 0; l < n; l++) strip[l] = 0.0f;
-            for (int64_t k = 0; k < kdim; k++) {
-                const float uk = ub[k];
-                const int64_t row = k * ldm + i;
-                if (dt == LORA_DTYPE_F32) {
-                    const float *mk = (const float *)m + row;
-                    for (int l = 0; l < n; l++) strip[l] += mk[l] * uk;
-                } else {
-                    for (int l = 0; l < n; l++) strip[l] += lora_load_f32(m, row + l, dt) * uk;
+            for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+                const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
+                for (int l = 0; l < n; l++) block[l] = 0.0f;
+                for (int64_t k = k0; k < k1; k++) {
+                    const float uk = ub[k];
+                    const int64_t row = k * ldm + i;
+                    if (dt == LORA_DTYPE_F32) {
+                        const float *mk = (const float *)m + row;
+                        for (int l = 0; l < n; l++) block[l] += mk[l] * uk;
+                    } else {
+                        for (int l = 0; l < n; l++) block[l] += lora_load_f32(m, row + l, dt) * uk;
+                    }
                 }
+                for (int l = 0; l < n; l++) total[l] = k0 == 0 ? block[l] : total[l] + block[l];
             }
-            for (int l = 0; l < n; l++) out[i + l] += strip[l];
+            for (int l = 0; l < n; l++) out[i + l] += scale * total[l];
         }
     }
 }
@@ -78,9 +84,9 @@ static inline void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t
     }                                                                                         \
     static void lora_accumulate_##NAME##_scalar(const void *m, int64_t ldm, int64_t kdim,    \
                                                 int64_t i0, int64_t i1, int nb,              \
-                                                const float *u, int64_t ldu,                 \
+                                                const float *u, int64_t ldu, float scale,    \
                                                 float *const *outs) {                        \
-        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, outs, DT);                             \
+        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, DT);                      \
     }
 LORA_WRAP_(LORA_DTYPE_F32, f32)
 LORA_WRAP_(LORA_DTYPE_F16, f16)

@@ -115,6 +115,9 @@ def check_out(out, shape, what="out"):
         raise ValueError(f"{what} must have shape {shape}; got {out.shape}")
     if not out.flags.writeable:
         raise ValueError(f"{what} is read-only; it must be a writeable float32 array")
+    if not out.flags.aligned:
+        raise ValueError(f"{what} is not aligned to 4 bytes (a view at an odd byte offset); "
+                         f"it must be an aligned float32 array")
     if out.ndim == 1 or out.shape[0] <= 1:
         if out.flags.c_contiguous:
             return ffi.from_buffer(out, require_writable=True), shape[-1]
@@ -137,11 +140,27 @@ def check_rows_out(out, cols, what="out"):
     if isinstance(out, np.ndarray) and out.ndim == 2:
         op, ldo = check_out(out, (out.shape[0], cols), what)
         return op, ldo, out.shape[0]
-    check_out(out, (getattr(out, "shape", (0,))[:1] or (0,))[0:1] + (cols,), what)
-    raise ValueError(f"{what} must have shape (n, {cols}) = [n, cols]; got {out.shape}")
+    _not_2d(out, cols, "n", what)
+
+
+def _not_2d(out, width, lead, what):
+    """Raise the error for an `out` that is not a 2-D float32 ndarray [lead, width]."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray of float32 with shape ({lead}, {width}); "
+                        f"got {type(out).__name__}")
+    if out.dtype != F32 or not out.dtype.isnative:
+        raise TypeError(f"{what} must have dtype float32 (it is updated in place, never through a "
+                        f"copy); got {out.dtype}")
+    raise ValueError(f"{what} must have shape ({lead}, {width}); got {out.shape}")
 
 
 # ------------------------------------------------------------------- inputs
+
+
+def _aligned_copy(x):
+    """x as a new C-contiguous, aligned float32 array (np.ascontiguousarray keeps a misaligned
+    float32 array as it is)."""
+    return np.array(x, dtype=F32, order="C", copy=True)
 
 
 def _no_overlap(x, out):
@@ -155,9 +174,10 @@ def prepare_vec(x, out, cols, rows):
     xa = float_array(x, "x")
     if xa.shape != (cols,):
         raise ValueError(f"x must have shape ({cols},) = [cols]; got {xa.shape}")
-    if xa.dtype != F32 or not xa.flags.c_contiguous or not xa.dtype.isnative:
+    if (xa.dtype != F32 or not xa.flags.c_contiguous or not xa.dtype.isnative
+            or not xa.flags.aligned):
         _no_overlap(xa, out)
-        xa = np.ascontiguousarray(xa, dtype=F32)
+        xa = _aligned_copy(xa)
     return xa, ffi.from_buffer(xa), op
 
 
@@ -167,23 +187,22 @@ def prepare_mat(x, out, cols, rows, out_what="out"):
     Returns (x, x pointer, ldx, out pointer, ldo, batch).
     """
     if not isinstance(out, np.ndarray) or out.ndim != 2:
-        # the full check names the wrong type, dtype or shape against [batch, rows]
-        check_out(out, (getattr(out, "shape", (0,))[:1] or (0,))[0:1] + (rows,), out_what)
-        raise ValueError(f"{out_what} must have shape (batch, {rows}); got {out.shape}")
+        _not_2d(out, rows, "batch", out_what)
     batch = out.shape[0]
     op, ldo = check_out(out, (batch, rows), out_what)
     xa = float_array(x, "x")
     if xa.shape != (batch, cols):
         raise ValueError(f"x must have shape ({batch}, {cols}) = [batch, cols] to match out "
                          f"{out.shape}; got {xa.shape}")
-    if (xa.dtype == F32 and xa.dtype.isnative and (xa.strides[1] == 4 or cols == 1)
+    if (xa.dtype == F32 and xa.dtype.isnative and xa.flags.aligned
+            and (xa.strides[1] == 4 or cols == 1)
             and (batch <= 1 or (xa.strides[0] % 4 == 0 and xa.strides[0] >= 4 * cols))):
         if xa.flags.c_contiguous:
             return xa, ffi.from_buffer(xa), cols, op, ldo, batch
         ldx = xa.strides[0] // 4 if batch > 1 else cols
         return xa, ffi.cast("void *", xa.__array_interface__["data"][0]), ldx, op, ldo, batch
     _no_overlap(xa, out)
-    xa = np.ascontiguousarray(xa, dtype=F32)
+    xa = _aligned_copy(xa)
     return xa, ffi.from_buffer(xa), cols, op, ldo, batch
 
 
@@ -203,20 +222,51 @@ def as_ids(ids, what, n=None):
         if big.size:
             raise IndexError(f"{what}: id {int(arr[big[0]])} at position {int(big[0])} is out "
                              f"of range")
-    if arr.dtype != I64 or not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr, dtype=I64)
+    if arr.dtype != I64 or not arr.flags.c_contiguous or not arr.flags.aligned:
+        arr = np.array(arr, dtype=I64, order="C", copy=True)
     return arr
 
 
+def effective_scales(deltas):
+    """The effective scales of `deltas` for one call, each distinct LoraScale read once, so a
+    stack or bank sharing one scale never mixes an old and a new value within a call."""
+    seen = {}
+    values = []
+    for d in deltas:
+        scale = d._scale
+        value = seen.get(id(scale))
+        if value is None:
+            value = seen[id(scale)] = scale._value
+        values.append(value * d._alpha_factor)
+    return ffi.new("float[]", values)
+
+
+def check_shapeless(x, out, *, ndim, what="out"):
+    """The checks an empty stack or an all-None bank can still make (no rows/cols known):
+    `out` a writeable float32 array of `ndim` dims, `x` (unless None) a real float array of
+    the same batch, not overlapping `out`.  Returns `out`."""
+    if isinstance(out, np.ndarray) and out.ndim != ndim:
+        raise ValueError(f"{what} must be {ndim}-D; got shape {out.shape}")
+    check_out(out, getattr(out, "shape", ()), what)
+    if x is not None:
+        xa = float_array(x, "x")
+        if xa.ndim != ndim or (ndim == 2 and xa.shape[0] != out.shape[0]):
+            want = "[cols]" if ndim == 1 else f"[{out.shape[0]}, cols]"
+            raise ValueError(f"x must have shape {want} to match {what} {out.shape}; "
+                             f"got {xa.shape}")
+        _no_overlap(xa, out)
+    return out
+
+
 def token_id(r, rows):
-    """One token id for add_row_to: an int (not bool, not float) in [0, rows)."""
+    """One token id for add_row_to: an int (not bool, not float) in [0, rows) (rows None: >= 0)."""
     if isinstance(r, (bool, np.bool_)) or isinstance(r, (float, np.floating)):
         raise TypeError(f"token id must be an integer; got {type(r).__name__}")
     try:
         r = operator.index(r)
     except TypeError:
         raise TypeError(f"token id must be an integer; got {type(r).__name__}") from None
-    if not 0 <= r < rows:
+    if r < 0 or (rows is not None and r >= rows):
         raise IndexError(f"token id {r} is out of range [0, {rows}) for this embedding")
     return r
 
@@ -231,6 +281,8 @@ def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=Non
     if status == lib.LORA_ERR_ADAPTER:
         raise IndexError(f"adapter id {int(adapter_ids[pos])} at position {pos} is out of range: "
                          f"valid ids are -1 (no adapter) and 0..{n_entries - 1}")
+    if status == lib.LORA_ERR_ALIGN:
+        raise ValueError("x, out or the ids are not aligned to their item size")
     if status == lib.LORA_ERR_NOMEM:
         raise MemoryError("lora-kernels: out of memory for kernel scratch")
     raise ValueError(f"lora-kernels: invalid arguments (status {status})")

@@ -98,7 +98,7 @@ class LoraBank:
     def _call_args(self, adapter_ids, n):
         self._flatten()
         ids = cv.as_ids(adapter_ids, "adapter_ids", n)
-        scales = ffi.new("float[]", [d._scale._value * d._alpha_factor for d in self._deltas])
+        scales = cv.effective_scales(self._deltas)
         return ids, scales
 
     def _raise(self, status, adapter_ids, ids=None, bad=None):
@@ -121,10 +121,9 @@ class LoraBank:
         ``LoraDelta.add_batch_to``, plus ValueError for a wrong number of ids and IndexError for
         an id out of range; ``out`` is untouched on every error.
         """
-        if self._shape is None:  # no entry holds a delta: only the ids can be checked
-            n = out.shape[0] if isinstance(out, np.ndarray) and out.ndim == 2 else None
-            cv.check_out(out, getattr(out, "shape", ()))
-            self._check_ids_only(adapter_ids, n)
+        if self._shape is None:  # no entry holds a delta: no rows/cols to check against
+            cv.check_shapeless(x, out, ndim=2)
+            self._check_ids_only(adapter_ids, out.shape[0])
             return out
         rows, cols = self._shape
         x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, cols, rows)
@@ -145,10 +144,12 @@ class LoraBank:
         integer ``[n]``, ``-1`` = no adapter.  Every id is checked before anything is written.
         """
         if self._shape is None:
-            cv.check_out(out, getattr(out, "shape", ()))
-            n = out.shape[0] if out.ndim == 2 else None
-            cv.as_ids(ids, "ids", n)
-            self._check_ids_only(adapter_ids, n)
+            cv.check_shapeless(None, out, ndim=2)
+            tok = cv.as_ids(ids, "ids", out.shape[0])
+            if tok.size and tok.min() < 0:
+                pos = int(np.argmax(tok < 0))
+                raise IndexError(f"token id {int(tok[pos])} at position {pos} is out of range")
+            self._check_ids_only(adapter_ids, out.shape[0])
             return out
         rows, cols = self._shape
         op, ldo, n = cv.check_rows_out(out, cols)

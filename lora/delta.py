@@ -113,6 +113,8 @@ class LoraDelta:
         name = cv.storage_name(dtype)
         try:
             alpha = float(alpha)
+        except OverflowError:
+            raise ValueError(f"alpha must be finite; got {alpha!r}") from None
         except (TypeError, ValueError):
             raise TypeError(f"alpha must be a real number; got {alpha!r}") from None
         if not math.isfinite(alpha):
@@ -175,6 +177,9 @@ class LoraDelta:
             x, xp, op = cv.prepare_vec(x, out, self._cols, self._rows)
         # always one C call: it checks x/out overlap, then skips all arithmetic at scale 0
         status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, op)
+        if status == lib.LORA_ERR_ALIGN:  # rare: a view at an odd byte offset; checks + copy
+            x, xp, op = cv.prepare_vec(x, out, self._cols, self._rows)
+            status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, op)
         if status:
             cv.raise_status(status)
         return out
@@ -198,8 +203,11 @@ class LoraDelta:
         else:
             x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
         if batch:
-            status = _lora_add_batch(self._ptr, self._scale._value * self._alpha_factor, batch, xp,
-                                     ldx, op, ldo)
+            s = self._scale._value * self._alpha_factor
+            status = _lora_add_batch(self._ptr, s, batch, xp, ldx, op, ldo)
+            if status == lib.LORA_ERR_ALIGN:  # rare: a view at an odd byte offset
+                x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
+                status = _lora_add_batch(self._ptr, s, batch, xp, ldx, op, ldo)
             if status:
                 cv.raise_status(status)
         return out
@@ -335,18 +343,13 @@ class LoraStack:
         return sum(d.resident_bytes for d in {id(d): d for d in self._deltas}.values())
 
     def _scales(self):
-        return ffi.new("float[]", [d._scale._value * d._alpha_factor for d in self._deltas])
+        return cv.effective_scales(self._deltas)
 
-    def _empty_check(self, out):
-        if not isinstance(out, np.ndarray) or out.dtype != _F32 or not out.flags.writeable:
-            cv.check_out(out, getattr(out, "shape", ()))
-        return out
 
     def add_to(self, x, out):
         """Decode: ``out[rows] += sum_i s_i * B_i (A_i x[cols])``, deltas in order; returns ``out``."""
         if not self._deltas:
-            cv.float_array(x, "x")
-            return self._empty_check(out)
+            return cv.check_shapeless(x, out, ndim=1)
         rows, cols = self.base_shape
         x, xp, op = cv.prepare_vec(x, out, cols, rows)
         status = _lora_apply_batch(1, self._first, self._ptrs, self._scales(), ffi.NULL, rows,
@@ -358,8 +361,7 @@ class LoraStack:
     def add_batch_to(self, x, out):
         """Prefill: ``out[b] += sum_i s_i * B_i (A_i x[b])``; as ``LoraDelta.add_batch_to``."""
         if not self._deltas:
-            cv.float_array(x, "x")
-            return self._empty_check(out)
+            return cv.check_shapeless(x, out, ndim=2)
         rows, cols = self.base_shape
         x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, cols, rows)
         if batch:
@@ -372,7 +374,8 @@ class LoraStack:
     def add_row_to(self, r, out_row):
         """Token embedding: ``out_row += sum_i s_i * (B_i[r] @ A_i)``; as ``LoraDelta.add_row_to``."""
         if not self._deltas:
-            return self._empty_check(out_row)
+            cv.token_id(r, None)
+            return cv.check_shapeless(None, out_row, ndim=1, what="out_row")
         rows, cols = self.base_shape
         r = cv.token_id(r, rows)
         op, _ = cv.check_out(out_row, (cols,), "out_row")
@@ -386,8 +389,12 @@ class LoraStack:
     def add_rows_to(self, ids, out):
         """Embedding rows: ``out[i] += sum_k s_k * (B_k[ids[i]] @ A_k)``; as ``LoraDelta.add_rows_to``."""
         if not self._deltas:
-            cv.as_ids(ids, "ids")
-            return self._empty_check(out)
+            cv.check_shapeless(None, out, ndim=2)
+            ids = cv.as_ids(ids, "ids", out.shape[0])
+            if ids.size and ids.min() < 0:  # out of range for every base
+                pos = int(np.argmax(ids < 0))
+                raise IndexError(f"token id {int(ids[pos])} at position {pos} is out of range")
+            return out
         rows, cols = self.base_shape
         op, ldo, n = cv.check_rows_out(out, cols)
         ids = cv.as_ids(ids, "ids", n)

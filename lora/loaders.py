@@ -566,6 +566,10 @@ class _GGUFTensorError(Exception):
         self.name = name
 
 
+# metadata arrays longer than this are refused before the reader expands them
+_GGUF_MAX_META_ARRAY = 4096
+
+
 def _strict_reader_class():
     """`gguf.GGUFReader` whose reads must lie inside the file.
 
@@ -576,9 +580,19 @@ def _strict_reader_class():
     anything is allocated.  Tensors are mapped one at a time so that
     such a failure names its tensor.
     """
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
 
     class _StrictGGUFReader(GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            # The stock reader builds several Python objects per metadata array element (~175
+            # bytes of memory per file byte); a LoRA adapter's metadata has no big arrays.
+            if raw_type == GGUFValueType.ARRAY:
+                count = int(self._get(int(orig_offs) + 4, np.uint64)[0])
+                if count > _GGUF_MAX_META_ARRAY:
+                    raise ValueError(f"a metadata array declares {count} elements; a LoRA "
+                                     f"adapter carries none over {_GGUF_MAX_META_ARRAY}")
+            return super()._get_field_parts(orig_offs, raw_type)
+
         def _get(self, offset, dtype, count=1, *args, **kwargs):
             offset, count = int(offset), int(count)
             itemsize = np.dtype(dtype).itemsize
@@ -603,8 +617,9 @@ def _strict_reader_class():
     return _StrictGGUFReader
 
 
-def _gguf_str(reader, key):
-    """A string metadata value; None when absent; a description of the type when not a string."""
+def _gguf_str(reader, key, path):
+    """A string metadata value; None when absent; a description of the type when not a string.
+    Raises LoraFormatError naming the key for a value that is not UTF-8."""
     from gguf import GGUFValueType
 
     field = reader.fields.get(key)
@@ -612,7 +627,11 @@ def _gguf_str(reader, key):
         return None
     if field.types != [GGUFValueType.STRING]:
         return f"<{'/'.join(t.name for t in field.types)} value>"
-    return field.contents()
+    try:
+        return field.contents()
+    except UnicodeDecodeError as exc:
+        raise _error(path, f"the value is not UTF-8 ({exc.reason} at byte {exc.start})",
+                     key=key) from None
 
 
 def _gguf_array(tensor, path):
@@ -677,11 +696,11 @@ def load_gguf(path, *, scale=1.0, dtype=None):
     if reader.byte_order != "I":
         raise _error(p, "byte order differs from this machine's; llama.cpp cannot load it either")
 
-    gtype = _gguf_str(reader, "general.type")
+    gtype = _gguf_str(reader, "general.type", p)
     if gtype != "adapter":
         raise _error(p, f"not a LoRA adapter: general.type is {gtype!r}, want 'adapter'",
                      key="general.type")
-    atype = _gguf_str(reader, "adapter.type")
+    atype = _gguf_str(reader, "adapter.type", p)
     if atype != "lora":
         raise _error(p, f"not a LoRA adapter: adapter.type is {atype!r}, want 'lora'",
                      key="adapter.type")
@@ -700,7 +719,7 @@ def load_gguf(path, *, scale=1.0, dtype=None):
         alpha = float(field.contents())
         if not math.isfinite(alpha):
             raise _error(p, f"must be finite, got {alpha}", key="adapter.lora.alpha")
-    name = _gguf_str(reader, "general.name")
+    name = _gguf_str(reader, "general.name", p)
     if not isinstance(name, str) or not name:
         name = p.stem
 

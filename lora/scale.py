@@ -29,6 +29,8 @@ class LoraScale:
             raise TypeError(f"LoraScale value must be a real number, got {type(value).__name__}")
         try:
             v = float(value)
+        except OverflowError:  # e.g. the int 10**400: not finite as a float
+            raise ValueError(f"LoraScale value must be finite, got {value!r}") from None
         except (TypeError, ValueError):
             raise TypeError(f"LoraScale value must be a real number, got {value!r}") from None
         if not math.isfinite(v):

@@ -1,0 +1,461 @@
+"""SPEC.md "Guarantees": determinism, thread-count invariance, batch invariance, stacks as their
+deltas in order, the zero-scale skip, the scale rules, and the ISA choice (LORA_ISA)."""
+
+import math
+import subprocess
+
+import numpy as np
+import pytest
+
+import lora
+from lora import _runtime
+from lora._lora_cffi import lib
+from conftest import (ISAS, PYTHON, assert_accurate, assert_same_bits, can_run_two_threads,
+                      make_delta, num_threads, rand, ref_batch, ref_rows, subprocess_env,
+                      using_isa)
+
+TWO = can_run_two_threads()
+needs_two_threads = pytest.mark.skipif(not TWO, reason="OpenMP gives this process 1 thread")
+
+# batch sizes for the invariance checks: every size up to 33 (partial 4-position blocks, team
+# mode below 2 x threads blocks, block mode above) and a large one
+BATCHES = list(range(1, 34)) + [512]
+
+
+def apply(op, entry, arg, out):
+    getattr(entry, op)(arg, out)
+    return out
+
+
+# ------------------------------------------------------------- determinism
+
+
+@pytest.mark.parametrize("op", ["add_to", "add_batch_to", "add_row_to", "add_rows_to"])
+def test_same_inputs_same_bits(op, isa, dtype):
+    """Twice the same call, and the same call on a second delta built from the same weights: the
+    same bits."""
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((13, 300)), rng.standard_normal((200, 13))
+    d1 = lora.LoraDelta(a, b, alpha=7.0, dtype=dtype)
+    d2 = lora.LoraDelta(a, b, alpha=7.0, dtype=dtype)
+    arg = {"add_to": rand(rng, 300), "add_batch_to": rand(rng, (37, 300)),
+           "add_row_to": 199, "add_rows_to": rng.integers(0, 200, 37)}[op]
+    shape = {"add_to": (200,), "add_batch_to": (37, 200), "add_row_to": (300,),
+             "add_rows_to": (37, 300)}[op]
+    out0 = rand(rng, shape)
+    r1 = apply(op, d1, arg, out0.copy())
+    r2 = apply(op, d1, arg, out0.copy())
+    r3 = apply(op, d2, arg, out0.copy())
+    assert_same_bits(r1, r2, "same call twice")
+    assert_same_bits(r1, r3, "a twin delta")
+
+
+# ------------------------------------------------------- threads and batches
+
+
+@needs_two_threads
+def test_decode_thread_invariance(isa, dtype):
+    """4096 x 4096 rank 16 decode is above the parallel threshold (the team splits A.x's rank
+    outputs and B.y's rows): 1 and 2 threads give the same bits; so does a small decode."""
+    rng = np.random.default_rng(2)
+    for rows, cols in ((4096, 4096), (4096, 33), (33, 4096), (16, 16)):
+        d = make_delta(rng, 16, rows, cols, dtype, alpha=32.0)
+        x, out0 = rand(rng, cols), rand(rng, rows)
+        with num_threads(1):
+            assert lib.lora_probe_threads() == 1
+            r1 = apply("add_to", d, x, out0.copy())
+        with num_threads(2):
+            assert lib.lora_probe_threads() == 2
+            r2 = apply("add_to", d, x, out0.copy())
+        assert_same_bits(r1, r2, f"decode [{rows} x {cols}], 1 vs 2 threads")
+
+
+def _batch_invariance(d, rng, rows, cols, threads):
+    """For every batch size: row b of add_batch_to == add_to(x[b]); return the batched results."""
+    x_all = rand(rng, (max(BATCHES), cols))
+    out_all = rand(rng, (max(BATCHES), rows))
+    with num_threads(threads):
+        singles = [apply("add_to", d, x_all[b], out_all[b].copy()) for b in range(max(BATCHES))]
+        results = {}
+        for n in BATCHES:
+            got = apply("add_batch_to", d, x_all[:n], out_all[:n].copy())
+            for b in range(n):
+                assert_same_bits(got[b], singles[b], f"batch {n} row {b} vs add_to, "
+                                 f"{threads} thread(s)")
+            results[n] = got
+    return results
+
+
+def test_batch_invariance_one_thread(isa, dtype):
+    rng = np.random.default_rng(3)
+    d = make_delta(rng, 16, 1024, 1024, dtype, alpha=16.0)
+    _batch_invariance(d, rng, 1024, 1024, 1)
+
+
+@needs_two_threads
+def test_batch_and_thread_invariance(isa, dtype):
+    """A 1024 x 1024 rank-16 delta: batch 1 runs serially, 2..7 with the whole team on each block,
+    8 and up with threads taking whole blocks.  Every row equals add_to(x[b]) at 2 threads, and
+    the batched results equal the 1-thread ones."""
+    rng = np.random.default_rng(4)
+    d = make_delta(rng, 16, 1024, 1024, dtype, alpha=16.0)
+    r2 = _batch_invariance(d, np.random.default_rng(5), 1024, 1024, 2)
+    r1 = _batch_invariance(d, np.random.default_rng(5), 1024, 1024, 1)
+    for n in BATCHES:
+        assert_same_bits(r1[n], r2[n], f"batch {n}: 1 vs 2 threads")
+
+
+@needs_two_threads
+def test_gather_batch_and_thread_invariance(isa, dtype):
+    """add_rows_to row i == add_row_to(ids[i]) for every batch size, 1 and 2 threads; with 4096
+    columns at rank 16 even one row is above the parallel threshold (threads split columns)."""
+    rng = np.random.default_rng(6)
+    d = make_delta(rng, 16, 300, 4096, dtype, alpha=16.0)
+    ids = rng.integers(0, 300, size=max(BATCHES))
+    out_all = rand(rng, (max(BATCHES), 4096))
+    per_threads = {}
+    for threads in (1, 2):
+        with num_threads(threads):
+            singles = [apply("add_row_to", d, int(ids[i]), out_all[i].copy())
+                       for i in range(len(ids))]
+            res = {}
+            for n in [1, 2, 3, 4, 5, 8, 9, 17, 33, 512]:
+                got = apply("add_rows_to", d, ids[:n], out_all[:n].copy())
+                for i in range(n):
+                    assert_same_bits(got[i], singles[i], f"rows {n} row {i}, {threads} threads")
+                res[n] = got
+            per_threads[threads] = res
+    for n, got in per_threads[1].items():
+        assert_same_bits(got, per_threads[2][n], f"rows {n}: 1 vs 2 threads")
+
+
+@pytest.mark.parametrize("rank", [1, 5, 16, 33, 127])
+def test_batch_invariance_across_ranks(rank, isa, dtype):
+    """Small shapes that straddle the kernels' tiles (4 ranks, 2-4 positions, 8/16/64 rows):
+    batch rows equal single calls at every batch size up to 9."""
+    rng = np.random.default_rng(rank)
+    for rows, cols in ((17, 33), (1, 7), (65, 1), (31, 16)):
+        d = make_delta(rng, rank, rows, cols, dtype)
+        x, out0 = rand(rng, (9, cols)), rand(rng, (9, rows))
+        singles = [apply("add_to", d, x[b], out0[b].copy()) for b in range(9)]
+        ids = rng.integers(0, rows, 9)
+        rsingles = [apply("add_row_to", d, int(ids[i]), rand(np.random.default_rng(i), cols))
+                    for i in range(9)]
+        for n in range(1, 10):
+            got = apply("add_batch_to", d, x[:n], out0[:n].copy())
+            for b in range(n):
+                assert_same_bits(got[b], singles[b], f"[{rows} x {cols}] batch {n} row {b}")
+            rout = np.stack([rand(np.random.default_rng(i), cols) for i in range(n)])
+            got = apply("add_rows_to", d, ids[:n], rout)
+            for i in range(n):
+                assert_same_bits(got[i], rsingles[i], f"[{rows} x {cols}] rows {n} row {i}")
+
+
+# ------------------------------------------------------------------ stacks
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stack_equals_its_deltas_in_order(threads, isa, dtype):
+    """A stack (mixed ranks, dtypes, scales; one delta twice) is bit-identical to applying its
+    deltas one after another, for every op, at sizes below and above the parallel threshold."""
+    if threads == 2 and not TWO:
+        pytest.skip("one thread only")
+    rng = np.random.default_rng(7)
+    for rows, cols, n in ((40, 24, 7), (1024, 1024, 1), (1024, 1024, 37)):
+        ds = [make_delta(rng, 8, rows, cols, dtype, alpha=16.0),
+              make_delta(rng, 3, rows, cols, "float32", scale=-0.5),
+              make_delta(rng, 16, rows, cols, "bfloat16", alpha=4.0, rslora=True)]
+        ds.append(ds[0])
+        stack = lora.LoraStack(ds)
+        x, ids = rand(rng, (n, cols)), rng.integers(0, rows, n)
+        with num_threads(threads):
+            for op, arg, shape in (("add_to", x[0], (rows,)), ("add_batch_to", x, (n, rows)),
+                                   ("add_row_to", int(ids[0]), (cols,)),
+                                   ("add_rows_to", ids, (n, cols))):
+                out0 = rand(rng, shape)
+                got = apply(op, stack, arg, out0.copy())
+                expect = out0.copy()
+                for d in ds:
+                    apply(op, d, arg, expect)
+                assert_same_bits(got, expect, f"stack.{op} [{rows} x {cols}] n={n}")
+                # and batch-invariant like a delta
+                if op == "add_batch_to":
+                    for b in range(n):
+                        one = apply("add_to", stack, x[b], out0[b].copy())
+                        assert_same_bits(got[b], one, f"stack batch row {b}")
+
+
+# ------------------------------------------------------------------ scale 0
+
+
+def _nasty_x(rng, shape):
+    x = rand(rng, shape)
+    flat = x.reshape(-1)
+    flat[:: 3] = np.inf
+    flat[1:: 3] = np.nan
+    flat[0] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("how", ["scale0", "negzero", "underflow", "shared-set0"])
+def test_zero_scale_leaves_out_bit_identical(how, isa, dtype):
+    """An effective scale of exactly 0 skips every op before any arithmetic: out keeps its bits
+    even when x holds inf and nan (0 * inf would be nan)."""
+    rng = np.random.default_rng(8)
+    for rows, cols, n in ((24, 40, 5), (4096, 4096, 1), (1024, 1024, 40)):
+        if how == "scale0":
+            d = make_delta(rng, 8, rows, cols, dtype, alpha=16.0, scale=0.0)
+        elif how == "negzero":
+            d = make_delta(rng, 8, rows, cols, dtype, scale=-0.0)
+        elif how == "underflow":  # alpha and scale whose product is exactly 0.0
+            d = make_delta(rng, 8, rows, cols, dtype, alpha=1e-200, scale=1e-200)
+        else:
+            s = lora.LoraScale(2.0)
+            d = make_delta(rng, 8, rows, cols, dtype, alpha=16.0, scale=s)
+            s.set(0)
+        assert d.effective_scale == 0.0
+        x = _nasty_x(rng, (n, cols))
+        # B and A weights stay finite, but make ids point everywhere
+        ids = rng.integers(0, rows, n)
+        for threads in (1, 2):
+            with num_threads(threads):
+                for op, arg, shape in (("add_to", x[0], (rows,)), ("add_batch_to", x, (n, rows)),
+                                       ("add_row_to", int(ids[0]), (cols,)),
+                                       ("add_rows_to", ids, (n, cols))):
+                    out = rand(rng, shape)
+                    out.reshape(-1)[-1] = np.nan  # a nan already in out stays the same nan
+                    before = out.tobytes()
+                    assert getattr(d, op)(arg, out) is out
+                    assert out.tobytes() == before, f"{op} at scale 0 ({how}) changed out"
+        bank = lora.LoraBank([d, lora.LoraStack([d, d])])
+        out = rand(rng, (n, rows))
+        before = out.tobytes()
+        bank.add_batch_to(x, out, rng.integers(-1, 2, n))
+        assert out.tobytes() == before
+        out = rand(rng, (n, cols))
+        before = out.tobytes()
+        bank.add_rows_to(ids, out, rng.integers(-1, 2, n))
+        assert out.tobytes() == before
+
+
+def test_zero_scale_stack_member_is_skipped(isa, dtype):
+    """A zero-scale member leaves the stack's result bit-identical to the stack without it."""
+    rng = np.random.default_rng(9)
+    rows, cols, n = 48, 40, 6
+    d1 = make_delta(rng, 8, rows, cols, dtype, alpha=16.0)
+    d2 = make_delta(rng, 5, rows, cols, dtype)
+    z = make_delta(rng, 4, rows, cols, dtype, scale=0.0)
+    with_z, without = lora.LoraStack([d1, z, d2, z]), lora.LoraStack([d1, d2])
+    x, ids = rand(rng, (n, cols)), rng.integers(0, rows, n)
+    for op, arg, shape in (("add_to", x[0], (rows,)), ("add_batch_to", x, (n, rows)),
+                           ("add_row_to", int(ids[0]), (cols,)), ("add_rows_to", ids, (n, cols))):
+        out0 = rand(rng, shape)
+        assert_same_bits(apply(op, with_z, arg, out0.copy()), apply(op, without, arg, out0.copy()),
+                         f"stack.{op} with a zero-scale member")
+    # a zero-scale member does not turn inf in x into nan through 0 * inf either: every member 0
+    allz = lora.LoraStack([z, z])
+    out = rand(rng, (n, rows))
+    before = out.tobytes()
+    allz.add_batch_to(_nasty_x(rng, (n, cols)), out)
+    assert out.tobytes() == before
+
+
+def test_merge_at_scale_zero_keeps_w(dtype):
+    rng = np.random.default_rng(10)
+    d = make_delta(rng, 8, 30, 20, dtype, alpha=16.0, scale=0.0)
+    w = rand(rng, (30, 20))
+    w.reshape(-1)[3] = np.nan
+    before = w.tobytes()
+    assert d.merge_into(w) is w and w.tobytes() == before
+    assert d.unmerge_from(w) is w and w.tobytes() == before
+    wt = np.ascontiguousarray(w.T)
+    before = wt.tobytes()
+    d.merge_into(wt.T)
+    assert wt.tobytes() == before
+    lora.LoraStack([d, d]).merge_into(w)
+    assert w.tobytes() == np.ascontiguousarray(wt.T).tobytes()
+
+
+# -------------------------------------------------------------- scale rules
+
+
+def test_scale_rules(isa):
+    """effective_scale = scale * alpha_factor: alpha/rank (llama.cpp get_scale, PEFT),
+    alpha/sqrt(rank) with rslora (PEFT use_rslora), 1 when alpha == 0; negatives allowed; the
+    kernels apply exactly that scale."""
+    rng = np.random.default_rng(11)
+    rank, rows, cols = 9, 20, 30
+    a, b = rng.standard_normal((rank, cols)), rng.standard_normal((rows, rank))
+    cases = [
+        (dict(alpha=18.0), 18.0 / 9),
+        (dict(alpha=18.0, rslora=True), 18.0 / 3),
+        (dict(alpha=0.0), 1.0),
+        (dict(alpha=0.0, rslora=True), 1.0),
+        (dict(alpha=-4.5), -0.5),
+        (dict(alpha=18.0, scale=-2.0), -4.0),
+        (dict(alpha=-18.0, scale=-0.25, rslora=True), 1.5),
+        (dict(alpha=0.0, scale=0.3), 0.3),
+        (dict(alpha=7.0), 7.0 / 9),
+    ]
+    x = rand(rng, (4, cols))
+    for kw, want in cases:
+        d = lora.LoraDelta(a, b, **kw)
+        assert math.isclose(d.effective_scale, want, rel_tol=1e-15), (kw, d.effective_scale)
+        assert d.alpha == kw["alpha"]
+        out0 = rand(rng, (4, rows))
+        out = d.add_batch_to(x, out0.copy())
+        ref, np32 = ref_batch([d], x, out0)
+        assert_accurate(out, ref, np32, f"scale rule {kw}")
+        # the same delta without alpha and with the scale folded in gives the same bits
+        plain = lora.LoraDelta(a, b, scale=d.effective_scale)
+        assert_same_bits(out, plain.add_batch_to(x, out0.copy()), f"{kw} folded")
+        # negating the scale negates the delta exactly (out = 0 isolates the delta)
+        neg = lora.LoraDelta(a, b, scale=-d.effective_scale)
+        z1, z2 = np.zeros((4, rows), np.float32), np.zeros((4, rows), np.float32)
+        d.add_batch_to(x, z1)
+        neg.add_batch_to(x, z2)
+        assert_same_bits(z1, -z2, f"{kw} negated")
+
+
+def test_shared_scale_is_read_at_every_call(isa, dtype):
+    """One LoraScale shared by several deltas: set() changes every effective_scale and every
+    result at once, recomputing nothing."""
+    rng = np.random.default_rng(12)
+    s = lora.LoraScale(1.0)
+    ds = [make_delta(rng, r, 16, 24, dtype, alpha=2.0 * r, scale=s) for r in (2, 4, 8)]
+    assert all(d.scale is s for d in ds)
+    x = rand(rng, 24)
+    base = [d.add_to(x, np.zeros(16, np.float32)) for d in ds]
+    for v in (0.5, -3.0, 2.0, 0.0, 1.0):
+        s.set(v)
+        assert s.value == v and s.get() == v and float(s) == v
+        for d, b0 in zip(ds, base):
+            assert d.effective_scale == v * 2.0
+            got = d.add_to(x, np.zeros(16, np.float32))
+            want = lora.LoraDelta(*d.lora_weights(), scale=v * 2.0, dtype=dtype).add_to(
+                x, np.zeros(16, np.float32))
+            assert_same_bits(got, want, f"scale {v}")
+    s.value = 0.25
+    assert all(d.effective_scale == 0.5 for d in ds)
+
+
+# -------------------------------------------------------------------- ISA
+
+
+def test_kernel_info_shape():
+    info = lora.kernel_info()
+    assert set(info) >= {"isa", "available_isas", "openmp", "threads", "compiler", "version"}
+    assert info["isa"] in ("scalar", "avx2", "avx512", "neon")
+    assert info["isa"] in info["available_isas"] and "scalar" in info["available_isas"]
+    assert info["threads"] == lora.get_num_threads()
+    assert isinstance(info["openmp"], bool) and isinstance(info["compiler"], str)
+    assert info["version"] == lora.__version__
+
+
+def _isa_in_child(value):
+    code = ("import lora\n"
+            "info = lora.kernel_info()\n"
+            "print(info['isa'])\n"
+            "print(','.join(info['available_isas']))\n")
+    env = subprocess_env() if value is None else subprocess_env(LORA_ISA=value)
+    p = subprocess.run([PYTHON, "-W", "always", "-c", code], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    isa, avail = p.stdout.split()
+    return isa, avail.split(","), p.stderr
+
+
+def test_lora_isa_env_lowers_the_choice():
+    best, avail, err = _isa_in_child(None)
+    assert best == avail[-1] and "Warning" not in err
+    for name in avail:
+        isa, _, err = _isa_in_child(name)
+        assert isa == name and "RuntimeWarning" not in err
+    isa, _, err = _isa_in_child(" Scalar ")
+    assert isa == "scalar"
+
+
+def test_lora_isa_env_scalar_prints_scalar():
+    p = subprocess.run([PYTHON, "-c", "import lora; print(lora.kernel_info()['isa'])"],
+                       env=subprocess_env(LORA_ISA="scalar"), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "scalar", (p.stdout, p.stderr)
+
+
+def test_lora_isa_env_bogus_warns_and_uses_best():
+    best, avail, _ = _isa_in_child(None)
+    isa, _, err = _isa_in_child("bogus")
+    assert isa == best
+    assert "RuntimeWarning" in err and "bogus" in err
+
+
+def test_lora_isa_env_never_raises_the_choice():
+    """A path this CPU cannot run (here: every one it lacks, NEON on x86) falls back to the best
+    supported path with a RuntimeWarning; it never selects a path above the CPU."""
+    best, avail, _ = _isa_in_child(None)
+    missing = [n for n in ("scalar", "avx2", "avx512", "neon") if n not in avail]
+    assert missing, "this CPU runs every path"
+    for name in missing:
+        isa, _, err = _isa_in_child(name)
+        assert isa == best and isa in avail, (name, isa)
+        assert "RuntimeWarning" in err
+
+
+def test_set_isa_refuses_unavailable_paths():
+    for name in ("neon" if "neon" not in ISAS else "avx512", "bogus"):
+        if name in ISAS:
+            continue
+        before = _runtime.isa()
+        with pytest.raises(ValueError):
+            _runtime.set_isa(name)
+        assert _runtime.isa() == before
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="only the portable path here")
+@pytest.mark.parametrize("op", ["add_to", "add_batch_to", "add_row_to", "add_rows_to"])
+def test_simd_paths_agree_with_scalar(op, dtype):
+    """Different ISA paths give different bits (another summation order) but agree within float32
+    tolerance: each meets the accuracy rule and they are within the oracle's slack of each
+    other."""
+    rng = np.random.default_rng(13)
+    for rank, rows, cols in ((16, 1001, 1001), (33, 17, 31), (1, 1, 1), (128, 64, 7)):
+        d = make_delta(rng, rank, rows, cols, dtype, alpha=2.0 * rank)
+        n = 9
+        arg = {"add_to": rand(rng, cols), "add_batch_to": rand(rng, (n, cols)),
+               "add_row_to": int(rng.integers(rows)), "add_rows_to": rng.integers(0, rows, n)}[op]
+        shape = {"add_to": (rows,), "add_batch_to": (n, rows), "add_row_to": (cols,),
+                 "add_rows_to": (n, cols)}[op]
+        out0 = rand(rng, shape)
+        if op in ("add_to", "add_batch_to"):
+            ref, np32 = ref_batch([d], arg, out0)
+        else:
+            ref, np32 = ref_rows([d], arg, out0)
+        results = {}
+        for name in ISAS:
+            with using_isa(name):
+                results[name] = apply(op, d, arg, out0.copy())
+        slack = np.linalg.norm((np32 - ref).ravel()) + 1e-9 * np.linalg.norm(ref.ravel())
+        for name, got in results.items():
+            diff = np.linalg.norm((got.astype(np.float64) - results["scalar"]).ravel())
+            assert diff <= 4 * slack + 1e-30, (name, op, rank, rows, cols, diff, slack)
+            rel = np.abs(got.astype(np.float64) - results["scalar"]) / (1e-30 + np.abs(ref))
+            assert np.all((rel < 1e-3) | (np.abs(got - results["scalar"]) < 1e-4 *
+                                           np.abs(ref).max())), (name, op)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_invariance_above_the_stack_scratch_rank(threads, isa):
+    """Rank 600 needs heap scratch (more than 512 floats per position): batch rows still equal
+    single calls, for the projection and the gather."""
+    if threads == 2 and not TWO:
+        pytest.skip("one thread only")
+    rng = np.random.default_rng(14)
+    d = make_delta(rng, 600, 300, 200, "bfloat16")
+    x, out0 = rand(rng, (40, 200)), rand(rng, (40, 300))
+    ids, rout0 = rng.integers(0, 300, 40), rand(rng, (40, 200))
+    with num_threads(threads):
+        got = d.add_batch_to(x, out0.copy())
+        rgot = d.add_rows_to(ids, rout0.copy())
+        for b in range(40):
+            assert_same_bits(got[b], d.add_to(x[b], out0[b].copy()), f"row {b}")
+            assert_same_bits(rgot[b], d.add_row_to(int(ids[b]), rout0[b].copy()), f"gather {b}")

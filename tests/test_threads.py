@@ -1,0 +1,235 @@
+"""Threads (SPEC.md "Threads"; issue 2): set_num_threads caps, OMP_NUM_THREADS and threadpoolctl
+limits are obeyed, the GIL is released while a kernel runs, concurrent Python threads get the
+same bits as serial calls, and a fork()ed child runs kernels instead of hanging."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import lora
+from lora._lora_cffi import lib
+from conftest import (PYTHON, assert_same_bits, can_run_two_threads, make_delta, num_threads,
+                      rand, subprocess_env)
+
+TWO = can_run_two_threads()
+
+
+def test_set_num_threads_caps():
+    top = lib.lora_get_num_threads() if lora.kernel_info()["openmp"] else 1
+    with num_threads(1):
+        assert lora.get_num_threads() == 1 and lib.lora_probe_threads() == 1
+        assert lora.kernel_info()["threads"] == 1
+    with num_threads(10**6):  # a cap above the OpenMP limit changes nothing
+        assert lora.get_num_threads() == top
+        assert lib.lora_probe_threads() == top
+    if TWO:
+        with num_threads(2):
+            assert lora.get_num_threads() == 2 and lib.lora_probe_threads() == 2
+    lora.set_num_threads(1)
+    lora.set_num_threads(1)  # process-wide, idempotent
+    assert lora.get_num_threads() == 1
+
+
+def test_threadpoolctl_limits_our_threads():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if not lora.kernel_info()["openmp"]:
+        pytest.skip("serial build")
+    before = lora.get_num_threads()
+    with threadpoolctl.threadpool_limits(1):
+        assert lora.get_num_threads() == 1
+        assert lib.lora_probe_threads() == 1
+        assert lora.kernel_info()["threads"] == 1
+    assert lora.get_num_threads() == before
+    if TWO:
+        with threadpoolctl.threadpool_limits(1, user_api="openmp"):
+            assert lib.lora_probe_threads() == 1
+        with num_threads(2):
+            assert lib.lora_probe_threads() == 2
+
+
+def test_omp_num_threads_in_a_subprocess():
+    code = "import lora; from lora._lora_cffi import lib; print(lora.get_num_threads(), " \
+           "lib.lora_probe_threads(), lora.kernel_info()['threads'])"
+    p = subprocess.run([PYTHON, "-c", code], env=subprocess_env(OMP_NUM_THREADS=1),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["1", "1", "1"]
+    if TWO:
+        p = subprocess.run([PYTHON, "-c", code], env=subprocess_env(OMP_NUM_THREADS=2),
+                           capture_output=True, text=True, timeout=120)
+        assert p.stdout.split() == ["2", "2", "2"], p.stderr
+
+
+def _long_call():
+    """A delta and a batch whose add_batch_to takes ~0.3 s on one thread (calibrated).  Rank 1024
+    makes each position ~2M multiply-adds, so the batch stays a few MiB."""
+    rng = np.random.default_rng(1)
+    d = make_delta(rng, 1024, 1024, 1024, "float32")
+    x = rand(rng, (16, 1024))
+    out = np.zeros((16, 1024), np.float32)
+    d.add_batch_to(x, out)  # warm up
+    t0 = time.perf_counter()
+    d.add_batch_to(x, out)
+    per = max(time.perf_counter() - t0, 1e-5)
+    reps = int(min(max(0.3 / per, 1), 1000))
+    big_x = np.tile(x, (reps, 1))
+    return d, big_x, np.zeros_like(big_x)
+
+
+def test_gil_is_released_during_a_kernel():
+    """A second Python thread keeps running while one long C call runs.  No wall-clock
+    threshold: a spinning thread records perf_counter() stamps; if the call held the GIL, no
+    stamp could fall strictly inside the middle half of the call's [start, end] window."""
+    with num_threads(1):
+        d, x, out = _long_call()
+        stamps = []
+        stop = threading.Event()
+        started = threading.Event()
+
+        def spin():
+            started.set()
+            while not stop.is_set():
+                stamps.append(time.perf_counter())
+
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-4)  # let the spinner get the GIL back quickly when released
+        t = threading.Thread(target=spin)
+        t.start()
+        try:
+            started.wait()
+            time.sleep(0.01)
+            start = time.perf_counter()
+            d.add_batch_to(x, out)
+            end = time.perf_counter()
+        finally:
+            stop.set()
+            t.join()
+            sys.setswitchinterval(old)
+    q1, q3 = start + (end - start) / 4, end - (end - start) / 4
+    inside = [s for s in stamps if q1 < s < q3]
+    assert inside, (f"no progress in another thread during the middle half of a "
+                    f"{end - start:.3f} s kernel call: the GIL was held")
+
+
+def test_gil_probe_detects_a_held_gil():
+    """The probe above is sound: a call that keeps the GIL (sum over a range, one C loop) lets
+    no stamp into its middle half."""
+    stamps = []
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        time.sleep(0.01)
+        n = 10**6
+        t0 = time.perf_counter()
+        sum(range(n))
+        n = int(n * 0.1 / max(time.perf_counter() - t0, 1e-6))
+        start = time.perf_counter()
+        sum(range(n))
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+    q1, q3 = start + (end - start) / 4, end - (end - start) / 4
+    assert not [s for s in stamps if q1 < s < q3]
+
+
+def test_concurrent_python_threads_get_serial_bits():
+    """Two Python threads calling kernels at once (different deltas, shared delta, banks) get
+    exactly the bits of serial calls."""
+    rng = np.random.default_rng(2)
+    d1 = make_delta(rng, 16, 1024, 1024, "float32", alpha=16.0)
+    d2 = make_delta(rng, 8, 1024, 1024, "bfloat16")
+    bank = lora.LoraBank([d1, d2, None])
+    jobs = []
+    for i in range(6):
+        x = rand(rng, (33, 1024))
+        out0 = rand(rng, (33, 1024))
+        aid = rng.integers(-1, 3, 33)
+        ids = rng.integers(0, 1024, 33)
+        jobs.append((x, out0, aid, ids))
+
+    def work(job, d):
+        x, out0, aid, ids = job
+        return (d.add_batch_to(x, out0.copy()), d.add_to(x[0], out0[0].copy()),
+                bank.add_batch_to(x, out0.copy(), aid), d.add_rows_to(ids, out0.copy()))
+
+    serial = [work(j, d) for j in jobs for d in (d1, d2)]
+    for threads in (1, 2):
+        with num_threads(threads):
+            results = [None] * len(serial)
+
+            def runner(k0):
+                for k in range(k0, len(serial), 2):
+                    for _ in range(3):
+                        results[k] = work(jobs[k // 2], (d1, d2)[k % 2])
+
+            ts = [threading.Thread(target=runner, args=(k0,)) for k0 in (0, 1)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            for k, (got, want) in enumerate(zip(results, serial)):
+                for g, w in zip(got, want):
+                    assert_same_bits(g, w, f"job {k}, {threads} OpenMP threads")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork()")
+def test_fork_after_openmp_work():
+    """After OpenMP work in the parent, a fork()ed child runs a big add_batch_to and exits 0 with
+    the right bits (a GNU OpenMP pool does not survive fork; the child must not hang on it)."""
+    rng = np.random.default_rng(3)
+    d = make_delta(rng, 16, 1024, 1024, "float32", alpha=16.0)
+    x = rand(rng, (256, 1024))
+    out0 = rand(rng, (256, 1024))
+    with num_threads(2):
+        expect = d.add_batch_to(x, out0.copy())  # the parent's pool is up now
+        expect_one = d.add_to(x[0], out0[0].copy())
+    lora.set_num_threads(2)
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        code = 1
+        try:
+            threads = lora.get_num_threads()
+            got = d.add_batch_to(x, out0.copy())
+            one = d.add_to(x[0], out0[0].copy())
+            ok = got.tobytes() == expect.tobytes() and one.tobytes() == expect_one.tobytes()
+            code = 0 if ok and threads == 1 else (2 if ok else 3)
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in a kernel call")
+        time.sleep(0.02)
+    assert os.WIFEXITED(status), status
+    code = os.WEXITSTATUS(status)
+    assert code != 3, "the child computed different bits"
+    assert code != 2, "the child reports more than one thread after fork()"
+    assert code == 0
+    # the parent still works, with its threads
+    with num_threads(2):
+        assert_same_bits(d.add_batch_to(x, out0.copy()), expect, "parent after fork")
+
+
+def test_num_threads_visible_in_kernel_info():
+    with num_threads(1):
+        assert lora.kernel_info()["threads"] == 1
