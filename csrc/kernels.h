@@ -61,12 +61,15 @@ typedef void (*lora_accumulate_fn)(const void *m, int64_t ldm, int64_t kdim,
                                    const float *u, int64_t ldu, float scale,
                                    float *const *outs);
 typedef double (*lora_read_fn)(const float *buf, int64_t n);
+/* dst[i] = src[i] as float32 for i < n (exact: every f16/bf16 value is a float32) */
+typedef void (*lora_widen_fn)(const void *src, int64_t n, float *dst);
 
 typedef struct {
     const char *name;
     lora_project_fn project[3];        /* indexed by LORA_DTYPE_* */
     lora_accumulate_fn accumulate[3];
     lora_read_fn read;
+    lora_widen_fn widen[3];            /* [LORA_DTYPE_F32] unused */
 } lora_kernel_table;
 
 extern const lora_kernel_table lora_kernels_scalar;

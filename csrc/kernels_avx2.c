@@ -202,6 +202,15 @@ static double lora_read_avx2(const float *buf, int64_t n) {
     return s;
 }
 
+#define LORA_WIDEN_(DT, NAME)                                                                 \
+    static void lora_widen_##NAME##_avx2(const void *src, int64_t n, float *dst) {           \
+        int64_t i = 0;                                                                        \
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_f32x8_(src, i, DT));       \
+        for (; i < n; i++) dst[i] = load_f32_(src, i, DT);                                   \
+    }
+LORA_WIDEN_(LORA_DTYPE_F16, f16)
+LORA_WIDEN_(LORA_DTYPE_BF16, bf16)
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #elif defined(__GNUC__)
@@ -213,6 +222,7 @@ const lora_kernel_table lora_kernels_avx2 = {
     {lora_project_f32_avx2, lora_project_f16_avx2, lora_project_bf16_avx2},
     {lora_accumulate_f32_avx2, lora_accumulate_f16_avx2, lora_accumulate_bf16_avx2},
     lora_read_avx2,
+    {NULL, lora_widen_f16_avx2, lora_widen_bf16_avx2},
 };
 
 #endif /* LORA_HAVE_X86 */

@@ -220,6 +220,17 @@ static double lora_read_avx512(const float *buf, int64_t n) {
     return s;
 }
 
+#define LORA_WIDEN_(DT, NAME)                                                                 \
+    static void lora_widen_##NAME##_avx512(const void *src, int64_t n, float *dst) {         \
+        int64_t i = 0;                                                                        \
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_f32x16_(src, i, DT));    \
+        if (i < n)                                                                            \
+            _mm512_mask_storeu_ps(dst + i, tail_mask_(n - i),                                 \
+                                  load_masked_f32x16_(src, i, tail_mask_(n - i), DT));        \
+    }
+LORA_WIDEN_(LORA_DTYPE_F16, f16)
+LORA_WIDEN_(LORA_DTYPE_BF16, bf16)
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #elif defined(__GNUC__)
@@ -231,6 +242,7 @@ const lora_kernel_table lora_kernels_avx512 = {
     {lora_project_f32_avx512, lora_project_f16_avx512, lora_project_bf16_avx512},
     {lora_accumulate_f32_avx512, lora_accumulate_f16_avx512, lora_accumulate_bf16_avx512},
     lora_read_avx512,
+    {NULL, lora_widen_f16_avx512, lora_widen_bf16_avx512},
 };
 
 #endif /* LORA_HAVE_X86 */

@@ -100,9 +100,18 @@ static double lora_read_scalar(const float *buf, int64_t n) {
     return s;
 }
 
+static void lora_widen_f16_scalar(const void *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = lora_load_f32(src, i, LORA_DTYPE_F16);
+}
+
+static void lora_widen_bf16_scalar(const void *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = lora_load_f32(src, i, LORA_DTYPE_BF16);
+}
+
 const lora_kernel_table lora_kernels_scalar = {
     "scalar",
     {lora_project_f32_scalar, lora_project_f16_scalar, lora_project_bf16_scalar},
     {lora_accumulate_f32_scalar, lora_accumulate_f16_scalar, lora_accumulate_bf16_scalar},
     lora_read_scalar,
+    {NULL, lora_widen_f16_scalar, lora_widen_bf16_scalar},
 };
