@@ -118,6 +118,8 @@ int lora_get_num_threads(void) {
 #ifdef _OPENMP
     if (g_forked) return 1;
     int n = omp_get_max_threads();
+    const int limit = omp_get_thread_limit(); /* OMP_THREAD_LIMIT caps every team */
+    if (limit > 0 && limit < n) n = limit;
     const int cap = g_thread_cap;
     if (cap > 0 && cap < n) n = cap;
     return n < 1 ? 1 : n;
@@ -498,6 +500,7 @@ static int plan_call_(plan_ *p, int64_t n_entries, const int64_t *first,
     for (int64_t q = 0; q < first[n_entries]; q++) {
         const lora_delta *d = deltas[q];
         if (!d || d->rows != rows || d->cols != cols) return LORA_ERR_ARG;
+        if (!(scales[q] - scales[q] == 0.0f)) return LORA_ERR_SCALE; /* inf or nan */
         if (d->rank > p->max_rank) p->max_rank = d->rank;
     }
     if (entry_ids) {

@@ -31,6 +31,7 @@ typedef struct lora_delta lora_delta;
 #define LORA_ERR_INDEX 4     /* a token id out of [0, rows); *bad = its position */
 #define LORA_ERR_ADAPTER 5   /* an adapter id out of [-1, n_entries); *bad = its position */
 #define LORA_ERR_ALIGN 6     /* x or out not 4-byte aligned (ids: 8), which C may not read */
+#define LORA_ERR_SCALE 7     /* an effective scale that is not finite in float32 */
 
 /* storage dtypes */
 #define LORA_DTYPE_F32 0

@@ -208,8 +208,13 @@ def prepare_mat(x, out, cols, rows, out_what="out"):
 
 def as_ids(ids, what, n=None):
     """A 1-D int64 C-contiguous copy (or view) of integer ids; TypeError for bool/float ids."""
+    if isinstance(ids, (list, tuple)) and ids and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        big = [i for i, v in enumerate(ids) if not -2**63 <= v <= I64_MAX]
+        if big:  # NumPy would make these an object or float array
+            raise IndexError(f"{what}: id {ids[big[0]]} at position {big[0]} is out of range")
     arr = np.asarray(ids)
-    if arr.size == 0 and arr.dtype.kind == "f":
+    if arr.size == 0 and arr.dtype.kind == "f" and isinstance(ids, (list, tuple)):
         arr = arr.astype(I64)  # `[]` is float64 to NumPy; no id, nothing to misread
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers; got dtype {arr.dtype}")
@@ -241,14 +246,17 @@ def effective_scales(deltas):
     return ffi.new("float[]", values)
 
 
+_NO_X = object()
+
+
 def check_shapeless(x, out, *, ndim, what="out"):
     """The checks an empty stack or an all-None bank can still make (no rows/cols known):
-    `out` a writeable float32 array of `ndim` dims, `x` (unless None) a real float array of
+    `out` a writeable float32 array of `ndim` dims, `x` (unless _NO_X) a real float array of
     the same batch, not overlapping `out`.  Returns `out`."""
     if isinstance(out, np.ndarray) and out.ndim != ndim:
         raise ValueError(f"{what} must be {ndim}-D; got shape {out.shape}")
     check_out(out, getattr(out, "shape", ()), what)
-    if x is not None:
+    if x is not _NO_X:
         xa = float_array(x, "x")
         if xa.ndim != ndim or (ndim == 2 and xa.shape[0] != out.shape[0]):
             want = "[cols]" if ndim == 1 else f"[{out.shape[0]}, cols]"
@@ -267,7 +275,8 @@ def token_id(r, rows):
     except TypeError:
         raise TypeError(f"token id must be an integer; got {type(r).__name__}") from None
     if r < 0 or (rows is not None and r >= rows):
-        raise IndexError(f"token id {r} is out of range [0, {rows}) for this embedding")
+        where = f"[0, {rows})" if rows is not None else "(ids are >= 0)"
+        raise IndexError(f"token id {r} is out of range {where} for this embedding")
     return r
 
 
@@ -279,8 +288,13 @@ def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=Non
     if status == lib.LORA_ERR_INDEX:
         raise IndexError(f"token id {int(ids[pos])} at position {pos} is out of range [0, {rows})")
     if status == lib.LORA_ERR_ADAPTER:
+        valid = "-1 (no adapter)" + (f" and 0..{n_entries - 1}" if n_entries else
+                                     ", the bank has no entries")
         raise IndexError(f"adapter id {int(adapter_ids[pos])} at position {pos} is out of range: "
-                         f"valid ids are -1 (no adapter) and 0..{n_entries - 1}")
+                         f"valid ids are {valid}")
+    if status == lib.LORA_ERR_SCALE:
+        raise ValueError("the effective scale (scale x alpha factor) is not finite in float32 "
+                         "(|s| must be below 3.4e38)")
     if status == lib.LORA_ERR_ALIGN:
         raise ValueError("x, out or the ids are not aligned to their item size")
     if status == lib.LORA_ERR_NOMEM:

@@ -41,6 +41,21 @@ def set_isa(name):
     return previous
 
 
+def _user_stacklevel():
+    """The stacklevel of the first frame outside this package and the import machinery, so an
+    import-time warning points at the user's `import lora`."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        internal = frame.f_code.co_filename.startswith("<frozen")  # warnings skips these itself
+        if not internal and frame.f_globals.get("__name__", "").split(".")[0] != "lora":
+            return level
+        frame = frame.f_back
+        level += 0 if internal or frame is None else 1
+    return level
+
+
 def _apply_env_isa():
     """LORA_ISA=scalar|avx2|avx512|neon can only lower the choice (SPEC.md, Threads/ISA)."""
     want = os.environ.get("LORA_ISA", "").strip().lower()
@@ -49,11 +64,11 @@ def _apply_env_isa():
     best = ISA_NAMES[lib.lora_best_isa()]
     if want not in ISA_CODES:
         warnings.warn(f"LORA_ISA={want!r} is not a known ISA path (scalar, avx2, avx512, neon); "
-                      f"using {best}", RuntimeWarning, stacklevel=3)
+                      f"using {best}", RuntimeWarning, stacklevel=_user_stacklevel())
     elif not lib.lora_isa_supported(ISA_CODES[want]):
         warnings.warn(f"LORA_ISA={want!r} is not supported by this CPU or build "
                       f"(available: {', '.join(available_isas())}); using {best}",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=_user_stacklevel())
     else:
         lib.lora_set_isa(ISA_CODES[want])
 

@@ -121,6 +121,7 @@ class LoraBank:
         ``LoraDelta.add_batch_to``, plus ValueError for a wrong number of ids and IndexError for
         an id out of range; ``out`` is untouched on every error.
         """
+        self._flatten()  # a stack entry may have been appended to since the last call
         if self._shape is None:  # no entry holds a delta: no rows/cols to check against
             cv.check_shapeless(x, out, ndim=2)
             self._check_ids_only(adapter_ids, out.shape[0])
@@ -143,8 +144,9 @@ class LoraBank:
         ``ids``: integer ``[n]`` in ``[0, rows)``; ``out``: float32 ``[n, cols]``; ``adapter_ids``:
         integer ``[n]``, ``-1`` = no adapter.  Every id is checked before anything is written.
         """
+        self._flatten()
         if self._shape is None:
-            cv.check_shapeless(None, out, ndim=2)
+            cv.check_shapeless(cv._NO_X, out, ndim=2)
             tok = cv.as_ids(ids, "ids", out.shape[0])
             if tok.size and tok.min() < 0:
                 pos = int(np.argmax(tok < 0))

@@ -6,6 +6,7 @@ makes one C call with the GIL released, and returns `out`.
 """
 
 import math
+import operator
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from .scale import LoraScale
 __all__ = ["LoraDelta", "LoraStack"]
 
 _ndarray = np.ndarray
+_F32_MAX = float(np.finfo(np.float32).max)
 _F32 = cv.F32
 _from_buffer = ffi.from_buffer
 _lora_add = lib.lora_add
@@ -33,12 +35,29 @@ def alpha_factor(alpha, rank, rslora):
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
-def _base_shape(base_shape):
+def _int_arg(value, what):
+    """An integer argument: an int or NumPy integer (not bool, float or str); TypeError else."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an integer; got {value!r}")
     try:
-        rows, cols = (int(v) for v in base_shape)
-    except (TypeError, ValueError):
-        raise ValueError(f"base_shape must be (rows, cols); got {base_shape!r}") from None
-    return rows, cols
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer; got {value!r}") from None
+
+
+def _base_shape(base_shape):
+    if isinstance(base_shape, (str, bytes)) or not hasattr(base_shape, "__len__") \
+            or len(base_shape) != 2:
+        raise ValueError(f"base_shape must be (rows, cols); got {base_shape!r}")
+    return tuple(_int_arg(v, "base_shape") for v in base_shape)
+
+
+def _finite_scale(s):
+    """The effective scale of an offline op; ValueError unless finite in float32."""
+    if not abs(s) <= _F32_MAX:
+        raise ValueError(f"the effective scale {s} (scale x alpha factor) is not finite in "
+                         f"float32")
+    return s
 
 
 def _check_merge_target(w, rows, cols):
@@ -88,7 +107,13 @@ class LoraDelta:
         rows = b.shape[0] if b.ndim == 2 else 0
         if base_shape is not None:
             rows, cols = _base_shape(base_shape)
-        if (a.ndim != 2 or b.ndim != 2 or rank < 1 or rows < 1 or cols < 1
+        if a.ndim != 2 or b.ndim != 2:
+            err = LoraShapeError.for_pair(rows, cols, rank, a.size, b.size)
+            raise LoraShapeError(
+                f"{err}; lora_a must be 2-D [rank, cols] and lora_b 2-D [rows, rank] (got shapes "
+                f"{a.shape} and {b.shape}; LoraDelta.from_flat takes flat buffers)",
+                rows=rows, cols=cols, rank=rank, a_len=a.size, b_len=b.size)
+        if (rank < 1 or rows < 1 or cols < 1
                 or a.shape != (rank, cols) or b.shape != (rows, rank)):
             raise LoraShapeError.for_pair(rows, cols, rank, a.size, b.size)
         self._init(a, b, rank, rows, cols, alpha, scale, rslora, dtype)
@@ -99,7 +124,8 @@ class LoraDelta:
         """A delta from flat buffers: ``a`` holds rank x cols values (lora_a row-major), ``b``
         rows x rank (lora_b row-major).  Raises ``LoraShapeError`` naming every dimension when
         the lengths do not match, or rank/rows/cols < 1."""
-        rank, rows, cols = (int(v) for v in (rank, rows, cols))
+        rank, rows, cols = (_int_arg(v, n) for v, n in ((rank, "rank"), (rows, "rows"),
+                                                         (cols, "cols")))
         a = cv.float_array(a, "lora_a").reshape(-1)
         b = cv.float_array(b, "lora_b").reshape(-1)
         if rank < 1 or rows < 1 or cols < 1 or a.size != rank * cols or b.size != rows * rank:
@@ -111,6 +137,10 @@ class LoraDelta:
 
     def _init(self, a, b, rank, rows, cols, alpha, scale, rslora, dtype):
         name = cv.storage_name(dtype)
+        if isinstance(alpha, (str, bytes, bool, np.bool_)):
+            raise TypeError(f"alpha must be a real number; got {alpha!r}")
+        if not isinstance(rslora, (bool, np.bool_)):
+            raise TypeError(f"rslora must be True or False; got {rslora!r}")
         try:
             alpha = float(alpha)
         except OverflowError:
@@ -264,14 +294,14 @@ class LoraDelta:
 
     def delta_weight(self):
         """``s * B @ A`` as a new float32 ``[rows, cols]`` array (computed in float64 by NumPy)."""
-        return self._delta64(self.effective_scale).astype(np.float32)
+        return self._delta64(_finite_scale(self.effective_scale)).astype(np.float32)
 
     def merge_into(self, w):
         """``w += s * B @ A`` in place (w float32 ``[rows, cols]``: C-contiguous, or the transposed
         view of a C-contiguous ``[cols, rows]`` array, as PEFT ``fan_in_fan_out`` bases are);
         returns ``w``.  Scale 0 leaves ``w`` bit-identical.  Uses NumPy (not bit-guaranteed)."""
         _check_merge_target(w, self._rows, self._cols)
-        s = self.effective_scale
+        s = _finite_scale(self.effective_scale)
         if s != 0.0:
             np.add(w, self._delta64(s), out=w, casting="same_kind")
         return w
@@ -279,7 +309,7 @@ class LoraDelta:
     def unmerge_from(self, w):
         """``w -= s * B @ A`` in place; undoes ``merge_into`` within float32 rounding."""
         _check_merge_target(w, self._rows, self._cols)
-        s = self.effective_scale
+        s = _finite_scale(self.effective_scale)
         if s != 0.0:
             np.subtract(w, self._delta64(s), out=w, casting="same_kind")
         return w
@@ -375,7 +405,7 @@ class LoraStack:
         """Token embedding: ``out_row += sum_i s_i * (B_i[r] @ A_i)``; as ``LoraDelta.add_row_to``."""
         if not self._deltas:
             cv.token_id(r, None)
-            return cv.check_shapeless(None, out_row, ndim=1, what="out_row")
+            return cv.check_shapeless(cv._NO_X, out_row, ndim=1, what="out_row")
         rows, cols = self.base_shape
         r = cv.token_id(r, rows)
         op, _ = cv.check_out(out_row, (cols,), "out_row")
@@ -389,7 +419,7 @@ class LoraStack:
     def add_rows_to(self, ids, out):
         """Embedding rows: ``out[i] += sum_k s_k * (B_k[ids[i]] @ A_k)``; as ``LoraDelta.add_rows_to``."""
         if not self._deltas:
-            cv.check_shapeless(None, out, ndim=2)
+            cv.check_shapeless(cv._NO_X, out, ndim=2)
             ids = cv.as_ids(ids, "ids", out.shape[0])
             if ids.size and ids.min() < 0:  # out of range for every base
                 pos = int(np.argmax(ids < 0))
@@ -410,17 +440,21 @@ class LoraStack:
         """``sum_i s_i * B_i @ A_i`` as float32 ``[rows, cols]`` (NumPy, float64 accumulation)."""
         if not self._deltas:
             raise ValueError("an empty LoraStack has no shape, so no delta_weight")
-        total = sum(d._delta64(d.effective_scale) for d in self._deltas)
+        total = sum(d._delta64(_finite_scale(d.effective_scale)) for d in self._deltas)
         return np.asarray(total, dtype=np.float32)
 
     def merge_into(self, w):
         """Each delta's ``merge_into(w)``, in order; returns ``w``."""
+        if not self._deltas:
+            return cv.check_shapeless(cv._NO_X, w, ndim=2, what="w")
         for d in self._deltas:
             d.merge_into(w)
         return w
 
     def unmerge_from(self, w):
         """Each delta's ``unmerge_from(w)``, in reverse order; returns ``w``."""
+        if not self._deltas:
+            return cv.check_shapeless(cv._NO_X, w, ndim=2, what="w")
         for d in reversed(self._deltas):
             d.unmerge_from(w)
         return w

@@ -292,8 +292,8 @@ def _peft_config(cfg_path):
     try:
         with open(cfg_path, encoding="utf-8") as fh:
             cfg = json.load(fh)
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise _error(cfg_path, f"not a readable JSON config: {exc}") from exc
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _error(cfg_path, f"not a readable JSON config: {type(exc).__name__}: {exc}") from None
     if not isinstance(cfg, dict):
         raise _error(cfg_path, "not a PEFT config: the JSON is not an object")
 
@@ -332,8 +332,8 @@ def _peft_config(cfg_path):
             if not ok:
                 want = "a positive integer" if integer else "a finite number"
                 raise _error(cfg_path, f"entry {k!r} must be {want}, got {v!r}", key=key)
-            try:
-                re.compile(k)
+            try:  # the pattern as PEFT's matching rule will compile it
+                re.compile(rf"(.*\.)?({k})$")
             except re.error as exc:
                 raise _error(cfg_path, f"entry {k!r} is not a valid pattern: {exc}", key=key) from exc
             out[k] = int(v) if integer else float(v)

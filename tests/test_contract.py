@@ -629,3 +629,68 @@ def test_misaligned_x_is_copied_and_misaligned_out_refused(isa):
     rejects(ValueError, ["aligned"], lambda: d.add_batch_to(np.array(x), out), out)
     rejects(ValueError, ["aligned"], lambda: d.add_to(np.array(x[0]), out[0]), out)
     rejects(ValueError, ["aligned"], lambda: d.add_rows_to([0, 1], _misaligned((2, COLS))))
+
+
+# ------------------------------------------------- found by the new-user trial
+
+
+def test_bank_sees_a_stack_filled_after_construction():
+    d = lora.LoraDelta(np.ones((2, 5)), np.ones((6, 2)))
+    stack = lora.LoraStack()
+    bank = lora.LoraBank([None, stack])
+    stack.append(d)
+    out = np.zeros((2, 6), np.float32)
+    bank.add_batch_to(np.ones((2, 5), np.float32), out, [1, -1])
+    np.testing.assert_array_equal(out[0], d.add_to(np.ones(5, np.float32), np.zeros(6, np.float32)))
+    assert not out[1].any()
+
+
+@pytest.mark.parametrize("alpha,scale", [(1e300, 1e300), (0.0, 1e39)])
+def test_non_finite_effective_scale_is_refused(alpha, scale):
+    """Finite as a double but not as float32 (1e39), or an overflowing product: ValueError and
+    out untouched, for the kernels and the offline merges alike."""
+    d = lora.LoraDelta(np.ones((2, 5)), np.ones((6, 2)), alpha=alpha, scale=scale)
+    out = rand(np.random.default_rng(40), 6)
+    rejects(ValueError, ["scale"], lambda: d.add_to(np.ones(5, np.float32), out), out)
+    w = rand(np.random.default_rng(41), (6, 5))
+    rejects(ValueError, ["scale"], lambda: d.merge_into(w), w)
+    rejects(ValueError, ["scale"], lambda: lora.LoraStack([d]).add_to(np.ones(5), out), out)
+
+
+@pytest.mark.parametrize("kwargs,exc", [
+    (dict(base_shape="65"), ValueError),
+    (dict(base_shape=(6.9, 5.2)), TypeError),
+    (dict(alpha="16"), TypeError),
+    (dict(rslora="False"), TypeError),
+])
+def test_constructor_arguments_are_not_coerced(kwargs, exc):
+    with pytest.raises(exc):
+        lora.LoraDelta(np.ones((2, 5)), np.ones((6, 2)), **kwargs)
+
+
+def test_from_flat_dims_must_be_integers():
+    with pytest.raises(TypeError):
+        lora.LoraDelta.from_flat(np.ones(10), np.ones(12), 3.7, 6, 5)
+
+
+def test_huge_ids_in_a_list_are_index_errors():
+    d = lora.LoraDelta(np.ones((2, 5)), np.ones((6, 2)))
+    out = rand(np.random.default_rng(42), (2, 5))
+    rejects(IndexError, ["1180591620717411303424", "position 1"],
+            lambda: d.add_rows_to([0, 2**70], out), out)
+
+
+def test_empty_containers_still_check_x():
+    out = rand(np.random.default_rng(43), 3)
+    rejects(TypeError, ["x"], lambda: lora.LoraStack().add_to(None, out), out)
+    with pytest.raises(TypeError):
+        lora.LoraStack().merge_into("junk")
+
+
+def test_omp_thread_limit_caps_the_reported_threads():
+    if not lora.kernel_info()["openmp"]:
+        pytest.skip("serial build")
+    code = "import lora, sys; print(lora.get_num_threads(), lora._lora_cffi.lib.lora_probe_threads())"
+    env = dict(subprocess_env(), OMP_THREAD_LIMIT="1")
+    res = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert res.stdout.split() == ["1", "1"], res.stderr

@@ -981,3 +981,12 @@ def test_gguf_refuses_an_empty_adapter(tmp_path):
 def test_gguf_missing_file_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_gguf(tmp_path / "nothing.gguf")
+
+
+def test_peft_refuses_configs_found_by_the_new_user_trial(tmp_path):
+    """A pattern key valid alone but not inside PEFT's `(.*\\.)?(k)$` (an inline flag), and a
+    JSON config nested beyond the parser's recursion limit: both LoraFormatErrors."""
+    path = af.write_peft(tmp_path / "flag", _q_pair(), af.peft_config(rank_pattern={"(?i)q_proj": 4}))
+    _assert_format_error(lambda: load_peft(path), path / "adapter_config.json", "rank_pattern")
+    (path / "adapter_config.json").write_text("[" * 200_000 + "]" * 200_000)
+    _assert_format_error(lambda: load_peft(path), path / "adapter_config.json", "JSON")
