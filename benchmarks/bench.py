@@ -1280,6 +1280,7 @@ def plot(path, W, meta, trows):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     from matplotlib.patches import Patch
 
     done = [w for w in W if "speedup" in w.result]
@@ -1325,6 +1326,11 @@ def plot(path, W, meta, trows):
     ax.plot([], [], color="crimson", lw=2.5, label="target (issues 3, 5, 6)")
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_xscale("log")
+    lo, hi = ax.get_xlim()
+    ticks = [t for t in (0.01, 0.03, 0.1, 0.3, 0.5, 1, 1.5, 2, 3, 5, 10, 20, 50, 100, 300, 1000) if lo <= t <= hi]
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_yticks(y, labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("speedup of lora (x, log scale; right of 1 = lora faster)")
