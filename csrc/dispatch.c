@@ -40,8 +40,9 @@
  * 64 Ki values) and run through the float32 kernels: they follow the same
  * summation order on the same (exactly converted) values, so the bits do not
  * change, while the per-load conversion that would cost up to half of the
- * kernel's arithmetic is paid once instead of once per block. */
-#define LORA_WIDEN_MIN 32
+ * kernel's arithmetic is paid once instead of once per block.  (At 32
+ * positions the copy's page faults cost more than it saved: measured.) */
+#define LORA_WIDEN_MIN 256
 /* bank plans for batches up to this size live on the stack */
 #define LORA_STACK_BATCH 256
 #define LORA_STACK_PLAN (3 * (LORA_STACK_BATCH + 16) + 2) /* int64s: up to 16 entries */

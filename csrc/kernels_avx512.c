@@ -131,13 +131,16 @@ INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int6
 }
 
 /* outputs i .. i + 16*nv of nb positions (the last vector masked by `last`);
- * nv * nb <= 8 block sums + 8 running totals + nv + 1 operands <= 25 zmm */
+ * nv * nb <= 8 block sums + 8 running totals + nv + 1 operands <= 25 zmm, or,
+ * when the rank fits one block (one_block: kdim <= LORA_KBLOCK, the common
+ * case), nv * nb <= 16 sums and no totals: the same arithmetic, since the
+ * first block's sum is the total */
 INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                               __mmask16 last, const int nb, const float *u, int64_t ldu,
-                              float scale, float *const *outs, const int dt) {
-    __m512 total_f32x16[8] = {_mm512_setzero_ps()}, block_f32x16[8];
+                              float scale, float *const *outs, const int dt, const int one_block) {
+    __m512 total_f32x16[16] = {_mm512_setzero_ps()}, block_f32x16[16];
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
-        const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
+        const int64_t k1 = one_block ? kdim : k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
         for (int q = 0; q < nv * nb; q++) block_f32x16[q] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k++) {
             __m512 m_f32x16[8];
@@ -150,6 +153,10 @@ INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t 
                     block_f32x16[v * nb + b] =
                         _mm512_fmadd_ps(m_f32x16[v], u_f32x16, block_f32x16[v * nb + b]);
             }
+        }
+        if (one_block) {
+            for (int q = 0; q < nv * nb; q++) total_f32x16[q] = block_f32x16[q];
+            break;
         }
         for (int q = 0; q < nv * nb; q++)
             total_f32x16[q] = k0 == 0 ? block_f32x16[q] : _mm512_add_ps(total_f32x16[q], block_f32x16[q]);
@@ -168,14 +175,20 @@ INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t 
 INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                             const int nb, const float *u, int64_t ldu, float scale,
                             float *const *outs, const int dt) {
-    const int nv = nb == 1 ? 8 : nb == 2 ? 4 : 2;
     int64_t i = i0;
-    for (; i + 16 * nv <= i1; i += 16 * nv)
-        accumulate_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt);
+    if (kdim <= LORA_KBLOCK) {
+        const int nv = nb <= 2 ? 8 : 4;
+        for (; i + 16 * nv <= i1; i += 16 * nv)
+            accumulate_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt, 1);
+    } else {
+        const int nv = nb == 1 ? 8 : nb == 2 ? 4 : 2;
+        for (; i + 16 * nv <= i1; i += 16 * nv)
+            accumulate_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt, 0);
+    }
     for (; i + 16 <= i1; i += 16)
-        accumulate_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt);
+        accumulate_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt, 0);
     if (i < i1)
-        accumulate_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, dt);
+        accumulate_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, dt, 0);
 }
 
 INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
