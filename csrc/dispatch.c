@@ -31,8 +31,10 @@
 #endif
 
 /* Below this many multiply-adds a call stays on the calling thread: waking a
- * team costs ~1-2 us, about what a 2048 x 2048 rank-16 decode takes alone. */
-#define LORA_PAR_MIN_WORK ((int64_t)1 << 16)
+ * team and its barriers cost ~2-3 us on a 2-vCPU VM, so a 4096 x 4096 rank-8
+ * decode (2^16) ran 4.1 us on one thread against 4.8 us on two (bench); at
+ * rank 16 (2^17) the two are even, and above it the team wins. */
+#define LORA_PAR_MIN_WORK ((int64_t)1 << 17)
 /* rank-sized scratch lives on the stack up to this rank (x LORA_NB floats) */
 #define LORA_STACK_RANK 512
 /* A half-precision delta serving at least this many positions of one prefill

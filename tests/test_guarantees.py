@@ -108,7 +108,8 @@ def test_batch_and_thread_invariance(isa, dtype):
 @needs_two_threads
 def test_gather_batch_and_thread_invariance(isa, dtype):
     """add_rows_to row i == add_row_to(ids[i]) for every batch size, 1 and 2 threads; with 4096
-    columns at rank 16 even one row is above the parallel threshold (threads split columns)."""
+    columns at rank 16 two rows are at the parallel threshold (2^17 multiply-adds: threads
+    split columns), and from 8 rows threads take whole blocks."""
     rng = np.random.default_rng(6)
     d = make_delta(rng, 16, 300, 4096, dtype, alpha=16.0)
     ids = rng.integers(0, 300, size=max(BATCHES))

@@ -34,7 +34,7 @@ MAX_CALLS_PER_WORKER = 4000
 SCALE_VALUES = (1.0, -0.5)   # LoraScale S flips between these
 OTHER_VALUES = (2.0, 0.25)   # LoraScale T flips between these
 
-# Shapes: one below the OpenMP work threshold (2^16 multiply-adds: stays on the calling thread),
+# Shapes: one below the OpenMP work threshold (2^17 multiply-adds: stays on the calling thread),
 # one above it (a team per call, nested under the Python threads).
 SMALL = dict(rank=8, rows=33, cols=17)
 LARGE = dict(rank=16, rows=1029, cols=515)
