@@ -8,7 +8,7 @@ Build knobs (environment):
   LORA_DISABLE_OPENMP=1   build serial even where OpenMP works
   LORA_CFLAGS="..."       extra compile and link flags (the sanitizer CI stage)
 
-No -march=native: every ISA path is compiled into one extension with
+Never tuned to the build machine (no -march flag): every ISA path is compiled into one extension with
 per-file target pragmas and chosen at import from the CPU's feature bits.
 """
 
