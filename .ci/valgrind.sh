@@ -32,15 +32,11 @@ cleanup() { if [ "${VALGRIND_KEEP:-0}" = 1 ]; then echo "kept $WORK"; else rm -r
 trap cleanup EXIT
 start=$SECONDS
 log() { printf '[valgrind %4ds] %s\n' "$((SECONDS - start))" "$*"; }
+. "$ROOT/.ci/stage_lib.sh"
 
 command -v valgrind >/dev/null || { log "FAIL: valgrind is not installed (apt-get install valgrind)"; exit 1; }
 
-mkdir -p "$WORK/src"
-if git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
-    (cd "$ROOT" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$WORK/src"
-else
-    (cd "$ROOT" && tar --exclude=build --exclude='*.so' --exclude='.venv*' -cf - .) | tar -xf - -C "$WORK/src"
-fi
+copy_checkout
 
 if ! "$PY" -c "import numpy, cffi, ml_dtypes, safetensors, gguf" >/dev/null 2>&1; then
     log "$PY lacks dependencies; creating a throwaway venv"
@@ -50,26 +46,6 @@ if ! "$PY" -c "import numpy, cffi, ml_dtypes, safetensors, gguf" >/dev/null 2>&1
     PY="$WORK/venv/bin/python"
 fi
 
-# Build the extension with the project's own build requirements (pip's isolated build env:
-# pyproject.toml pins setuptools>=77, newer than a fresh venv's), then drop the compiled module
-# into the copy, so the copy imports exactly that build.  $1: extra LORA_CFLAGS.
-build_into_copy() {
-    local flags=()
-    if [ -n "$1" ]; then flags=("LORA_CFLAGS=$1"); fi
-    rm -rf "$WORK/wheel"
-    (cd "$WORK/src" && env -u LORA_CFLAGS "${flags[@]}" "$PY" -m pip wheel -q --no-deps \
-        --disable-pip-version-check -w "$WORK/wheel" .) >"$WORK/build.log" 2>&1 || return 1
-    "$PY" - "$WORK/wheel" "$WORK/src/lora" <<'PYEOF'
-import glob, os, sys, zipfile
-whl = glob.glob(os.path.join(sys.argv[1], "*.whl"))[0]
-with zipfile.ZipFile(whl) as z:
-    mods = [n for n in z.namelist() if n.startswith("lora/_lora_cffi") and n.endswith((".so", ".pyd"))]
-    for name in mods:
-        with open(os.path.join(sys.argv[2], os.path.basename(name)), "wb") as fh:
-            fh.write(z.read(name))
-sys.exit(0 if mods else "no compiled lora/_lora_cffi module in " + whl)
-PYEOF
-}
 
 log "building the extension (no sanitizers)"
 build_into_copy "" || { cat "$WORK/build.log"; log "FAIL: build"; exit 1; }
