@@ -100,19 +100,21 @@ def to_storage(arr, name, what):
 # ------------------------------------------------------------------ outputs
 
 
-def check_out(out, shape, what="out"):
+def check_out(out, shape, what="out", shown=None):
     """`out` must be a writeable float32 ndarray of exactly `shape` (2-D: row-strided allowed).
 
+    `shown` is how the messages write the wanted shape (default: `shape`), e.g. "(batch, 6)".
     Returns (pointer, leading dimension in floats).
     """
+    want = shown or shape
     if not isinstance(out, np.ndarray):
-        raise TypeError(f"{what} must be a numpy.ndarray of float32 with shape {shape}; "
+        raise TypeError(f"{what} must be a numpy.ndarray of float32 with shape {want}; "
                         f"got {type(out).__name__}")
     if out.dtype != F32 or not out.dtype.isnative:
         raise TypeError(f"{what} must have dtype float32 (it is updated in place, never through a "
                         f"copy); got {out.dtype}")
     if out.shape != shape:
-        raise ValueError(f"{what} must have shape {shape}; got {out.shape}")
+        raise ValueError(f"{what} must have shape {want}; got {out.shape}")
     if not out.flags.writeable:
         raise ValueError(f"{what} is read-only; it must be a writeable float32 array")
     if not out.flags.aligned:
@@ -140,18 +142,7 @@ def check_rows_out(out, cols, what="out"):
     if isinstance(out, np.ndarray) and out.ndim == 2:
         op, ldo = check_out(out, (out.shape[0], cols), what)
         return op, ldo, out.shape[0]
-    _not_2d(out, cols, "n", what)
-
-
-def _not_2d(out, width, lead, what):
-    """Raise the error for an `out` that is not a 2-D float32 ndarray [lead, width]."""
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"{what} must be a numpy.ndarray of float32 with shape ({lead}, {width}); "
-                        f"got {type(out).__name__}")
-    if out.dtype != F32 or not out.dtype.isnative:
-        raise TypeError(f"{what} must have dtype float32 (it is updated in place, never through a "
-                        f"copy); got {out.dtype}")
-    raise ValueError(f"{what} must have shape ({lead}, {width}); got {out.shape}")
+    check_out(out, None, what, shown=f"(n, {cols})")  # not 2-D: always raises
 
 
 # ------------------------------------------------------------------- inputs
@@ -187,7 +178,7 @@ def prepare_mat(x, out, cols, rows, out_what="out"):
     Returns (x, x pointer, ldx, out pointer, ldo, batch).
     """
     if not isinstance(out, np.ndarray) or out.ndim != 2:
-        _not_2d(out, rows, "batch", out_what)
+        check_out(out, None, out_what, shown=f"(batch, {rows})")  # not 2-D: always raises
     batch = out.shape[0]
     op, ldo = check_out(out, (batch, rows), out_what)
     xa = float_array(x, "x")
@@ -264,6 +255,16 @@ def check_shapeless(x, out, *, ndim, what="out"):
                              f"got {xa.shape}")
         _no_overlap(xa, out)
     return out
+
+
+def check_shapeless_token_ids(ids, n):
+    """Token ids for an embedding of unknown rows (empty stack, all-None bank): integer [n], and
+    none negative, which is out of range for every base.  Returns the int64 ids."""
+    tok = as_ids(ids, "ids", n)
+    if tok.size and tok.min() < 0:
+        pos = int(np.argmax(tok < 0))
+        raise IndexError(f"token id {int(tok[pos])} at position {pos} is out of range")
+    return tok
 
 
 def token_id(r, rows):

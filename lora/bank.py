@@ -147,10 +147,7 @@ class LoraBank:
         self._flatten()
         if self._shape is None:
             cv.check_shapeless(cv._NO_X, out, ndim=2)
-            tok = cv.as_ids(ids, "ids", out.shape[0])
-            if tok.size and tok.min() < 0:
-                pos = int(np.argmax(tok < 0))
-                raise IndexError(f"token id {int(tok[pos])} at position {pos} is out of range")
+            cv.check_shapeless_token_ids(ids, out.shape[0])
             self._check_ids_only(adapter_ids, out.shape[0])
             return out
         rows, cols = self._shape

@@ -420,10 +420,7 @@ class LoraStack:
         """Embedding rows: ``out[i] += sum_k s_k * (B_k[ids[i]] @ A_k)``; as ``LoraDelta.add_rows_to``."""
         if not self._deltas:
             cv.check_shapeless(cv._NO_X, out, ndim=2)
-            ids = cv.as_ids(ids, "ids", out.shape[0])
-            if ids.size and ids.min() < 0:  # out of range for every base
-                pos = int(np.argmax(ids < 0))
-                raise IndexError(f"token id {int(ids[pos])} at position {pos} is out of range")
+            cv.check_shapeless_token_ids(ids, out.shape[0])
             return out
         rows, cols = self.base_shape
         op, ldo, n = cv.check_rows_out(out, cols)
