@@ -75,6 +75,17 @@ def _check_merge_target(w, rows, cols):
                          f"C-contiguous [cols, rows] array (fan_in_fan_out); got strides {w.strides}")
 
 
+def peft_delta(a, b, *, alpha, rslora=False, scale=1.0, dtype="float32"):
+    """A `LoraDelta` under PEFT's scale rule, which differs from llama.cpp's only at alpha 0:
+    PEFT scales by ``lora_alpha / r`` (``/ sqrt(r)`` for rsLoRA), so ``lora_alpha = 0`` gives a
+    zero delta, where ``LoraDelta(alpha=0)`` means llama.cpp's "no alpha in the file", factor 1.
+    The loaders build PEFT deltas through this."""
+    delta = LoraDelta(a, b, alpha=alpha, scale=scale, rslora=rslora, dtype=dtype)
+    if delta._alpha == 0:
+        delta._alpha_factor = 0.0
+    return delta
+
+
 class LoraDelta:
     """One LoRA pair: adds ``effective_scale * B (A x)`` into a caller's output, in place.
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .delta import LoraDelta
+from .delta import LoraDelta, peft_delta
 from .errors import LoraFormatError, LoraShapeError
 from .scale import LoraScale
 
@@ -212,16 +212,14 @@ def _build(pairs, *, path, name, alpha, scale, dtype):
             # Overflow into a narrower storage dtype is refused below (the core raises
             # ValueError); NumPy's cast warning on the way there would only repeat it.
             with np.errstate(over="ignore"):
-                delta = LoraDelta(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
-                                  dtype=storage)
+                make = peft_delta if p.zero_alpha else LoraDelta
+                delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                             dtype=storage)
         except NotImplementedError:
             raise
         except (ValueError, TypeError) as exc:
             raise _error(path, f"cannot be stored as {storage}: {exc}", pair=p.tensors) from exc
         if p.zero_alpha:
-            # PEFT: scaling = lora_alpha / r, so lora_alpha = 0 is a zero delta (LoraDelta's
-            # alpha = 0 means llama.cpp's "no alpha", factor 1).  The core's documented hook.
-            delta._alpha_factor = 0.0
             zeroed.append(p.name)
         deltas[p.name] = delta
     if zeroed:
