@@ -23,7 +23,8 @@ import warnings
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["dispatch.c", "kernels_scalar.c", "kernels_avx2.c", "kernels_avx512.c"]
+SOURCES = ["runtime.c", "delta.c", "drivers.c", "bench.c", "kernels_scalar.c", "kernels_avx2.c",
+           "kernels_avx512.c"]
 
 
 def read_cdef():
@@ -79,7 +80,7 @@ ffibuilder.set_source(
     '#include "lora.h"\n',
     sources=[os.path.join("csrc", name) for name in SOURCES],
     include_dirs=["csrc"],
-    depends=[os.path.join("csrc", name) for name in ("lora.h", "kernels.h")],
+    depends=[os.path.join("csrc", name) for name in ("lora.h", "kernels.h", "internal.h")],
     extra_compile_args=_cflags,
     extra_link_args=_ldflags,
 )

@@ -1,8 +1,8 @@
 /*
- * kernels.h - what dispatch.c and the per-ISA kernel files share: the packed
+ * kernels.h - what the drivers and the per-ISA kernel files share: the packed
  * delta, the two kernel shapes, and the table one ISA fills.
  *
- * Packed storage (chosen at construction, see lora_delta_new):
+ * Packed storage (chosen at construction, see delta.c):
  *   a  = lora_a [rank, lda]  row-major, lda  = cols rounded up to 32, zero pad
  *   bt = lora_b^T [rank, ldb], ldb = rows rounded up to 32, zero pad
  *   (+16 more when that is a multiple of 256, so rows do not alias in L1)
@@ -11,16 +11,41 @@
  * (one per rank index) into a strip of outputs, and the token gather reads
  * rows of A into a strip of the embedding row.
  *
- * The two kernel shapes every ISA provides, per storage dtype:
- *   project:    t[b*ldt + k] = sum_j A[k, j] * xs[b][j]       k in [k0, k1)
- *   accumulate: outs[b][i]  += scale * sum_k M[k, i] * u[b*ldu + k]   i in [i0, i1)
+ * The two kernel shapes every ISA provides:
+ *   project:    t[b*ldt + k] = sum_j A[k, j] * x_b[j]          k in [k0, k1)
+ *               for A in storage dtype st and x_b in activation dtype xt
+ *               (widened in registers; compute float32)
+ *   accumulate: out_b[i] += s_{q,b} * sum_k M_q[k, i] * u_q[b*ldu + k]
+ *               for every term q in order, i in [i0, i1)
  *               (M = B^T for the B.y step, M = A for the gather; the scale
  *               multiplies the finished sum, as NumPy's out + s * ((x @ A.T)
- *               @ B.T) does, so half-precision products stay exact)
+ *               @ B.T) does).  The terms are the members of a stack: each
+ *               adds into the running float32 value of out_b[i] in order, and
+ *               a half-precision out is widened before the first and rounded
+ *               to nearest even once after the last (a float32 out is simply
+ *               updated term by term).  A strip of outputs stays in L1 across
+ *               the terms, so out is read and written once per block.
+ *               s_{q,b} == 0 leaves position b alone for that term.
  * for nb <= LORA_NB positions at once, so one load of the adapter feeds nb
  * positions.  Each output element's summation order is fixed by the ISA file
- * alone (its header says which) and never depends on nb, on [k0, k1) or on
- * [i0, i1): this is what makes every result batch- and thread-invariant.
+ * alone (its header says which) and never depends on nb, on [k0, k1), on
+ * [i0, i1) or on the dtypes of x and out: this is what makes every result
+ * batch- and thread-invariant, and a half-precision out exactly the rounding
+ * of what a float32 out would hold.
+ *
+ * The kernel table.  An ISA file defines, inside its target region, these
+ * static inline helpers (dt, xt, ot: compile-time LORA_DTYPE_* constants):
+ *   project_(a, lda, cols, k0, k1, nb, xs, t, ldt, dt, xt)
+ *   accumulate_(terms, n_terms, i0, i1, nb, outs, ot)
+ *   widen_(src, n, dst, dt)       float16/bfloat16 -> float32, exact
+ *   read_(buf, n)                 the benchmark's bandwidth probe
+ * and then one line, LORA_KERNEL_TABLE(isa), which generates the entry
+ * points (this comment is where `grep` for their names should land):
+ *   lora_project_<st>_<xt>_<isa>    st, xt in f32, f16, bf16   (9 functions)
+ *   lora_accumulate_<ot>_<isa>      ot in f32, f16, bf16       (3)
+ *   lora_widen_<st>_<isa>           st in f16, bf16            (2)
+ *   lora_read_<isa>
+ * and the table `lora_kernels_<isa>` the runtime points at.
  */
 #ifndef LORA_KERNELS_H
 #define LORA_KERNELS_H
@@ -42,8 +67,11 @@
 /* accumulate sums over the rank in blocks of this many terms: a chain from 0
  * inside each block, then the blocks' sums in order.  Rank <= 16 is one plain
  * chain; at rank 256 the rounding error drops about 4x against one chain,
- * which keeps high ranks within SPEC's accuracy rule (2x NumPy's error). */
+ * which keeps high ranks within the accuracy rule (2x NumPy's error). */
 #define LORA_KBLOCK 16
+/* outputs per strip in accumulate: the strip of nb positions (nb x 128
+ * float32 = 2 KiB) stays in L1 while every term of a stack adds into it */
+#define LORA_STRIP 128
 
 struct lora_delta {
     int dtype;
@@ -53,21 +81,29 @@ struct lora_delta {
     void *bt;              /* [rank, ldb] */
 };
 
-typedef void (*lora_project_fn)(const void *a, int64_t lda, int64_t cols,
-                                int64_t k0, int64_t k1, int nb,
-                                const float *const *xs, float *t, int64_t ldt);
-typedef void (*lora_accumulate_fn)(const void *m, int64_t ldm, int64_t kdim,
-                                   int64_t i0, int64_t i1, int nb,
-                                   const float *u, int64_t ldu, float scale,
-                                   float *const *outs);
+/* one term of an accumulate: a stack member's M, its u, its scales */
+typedef struct {
+    const void *m;         /* M [kdim, ldm], storage dtype `dtype` */
+    int64_t ldm, kdim;
+    int dtype;
+    const float *u;        /* u[b*ldu + k] */
+    int64_t ldu;
+    float scale[LORA_NB];  /* per position; 0: the term adds nothing there */
+} lora_term;
+
+typedef void (*lora_project_fn)(const void *a, int64_t lda, int64_t cols, int64_t k0,
+                                int64_t k1, int nb, const void *const *xs, float *t,
+                                int64_t ldt);
+typedef void (*lora_accumulate_fn)(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
+                                   int nb, void *const *outs);
 typedef double (*lora_read_fn)(const float *buf, int64_t n);
 /* dst[i] = src[i] as float32 for i < n (exact: every f16/bf16 value is a float32) */
 typedef void (*lora_widen_fn)(const void *src, int64_t n, float *dst);
 
 typedef struct {
     const char *name;
-    lora_project_fn project[3];        /* indexed by LORA_DTYPE_* */
-    lora_accumulate_fn accumulate[3];
+    lora_project_fn project[3][3];     /* [storage dtype][x dtype] */
+    lora_accumulate_fn accumulate[3];  /* [out dtype] */
     lora_read_fn read;
     lora_widen_fn widen[3];            /* [LORA_DTYPE_F32] unused */
 } lora_kernel_table;
@@ -77,6 +113,51 @@ extern const lora_kernel_table lora_kernels_scalar;
 extern const lora_kernel_table lora_kernels_avx2;
 extern const lora_kernel_table lora_kernels_avx512;
 #endif
+#if defined(LORA_HAVE_NEON)
+extern const lora_kernel_table lora_kernels_neon;
+#endif
+
+/* The entry points and the table of one ISA, from its static inline helpers
+ * (see the comment at the top).  Expanded inside the ISA's target region. */
+#define LORA_PROJECT_FN_(ISA, ST, XT, SN, XN)                                                   \
+    static void lora_project_##SN##_##XN##_##ISA(const void *a, int64_t lda, int64_t cols,     \
+                                                 int64_t k0, int64_t k1, int nb,               \
+                                                 const void *const *xs, float *t, int64_t ldt) { \
+        project_(a, lda, cols, k0, k1, nb, xs, t, ldt, ST, XT);                                \
+    }
+#define LORA_PROJECT_ROW_(ISA, ST, SN)                                                          \
+    LORA_PROJECT_FN_(ISA, ST, LORA_DTYPE_F32, SN, f32)                                          \
+    LORA_PROJECT_FN_(ISA, ST, LORA_DTYPE_F16, SN, f16)                                          \
+    LORA_PROJECT_FN_(ISA, ST, LORA_DTYPE_BF16, SN, bf16)
+#define LORA_ACCUMULATE_FN_(ISA, OT, ON)                                                        \
+    static void lora_accumulate_##ON##_##ISA(const lora_term *terms, int n_terms, int64_t i0,  \
+                                             int64_t i1, int nb, void *const *outs) {          \
+        accumulate_(terms, n_terms, i0, i1, nb, outs, OT);                                     \
+    }
+#define LORA_WIDEN_FN_(ISA, ST, SN)                                                             \
+    static void lora_widen_##SN##_##ISA(const void *src, int64_t n, float *dst) {              \
+        widen_(src, n, dst, ST);                                                               \
+    }
+#define LORA_KERNEL_TABLE(ISA)                                                                  \
+    LORA_PROJECT_ROW_(ISA, LORA_DTYPE_F32, f32)                                                 \
+    LORA_PROJECT_ROW_(ISA, LORA_DTYPE_F16, f16)                                                 \
+    LORA_PROJECT_ROW_(ISA, LORA_DTYPE_BF16, bf16)                                               \
+    LORA_ACCUMULATE_FN_(ISA, LORA_DTYPE_F32, f32)                                               \
+    LORA_ACCUMULATE_FN_(ISA, LORA_DTYPE_F16, f16)                                               \
+    LORA_ACCUMULATE_FN_(ISA, LORA_DTYPE_BF16, bf16)                                             \
+    LORA_WIDEN_FN_(ISA, LORA_DTYPE_F16, f16)                                                    \
+    LORA_WIDEN_FN_(ISA, LORA_DTYPE_BF16, bf16)                                                  \
+    static double lora_read_##ISA(const float *buf, int64_t n) { return read_(buf, n); }       \
+    const lora_kernel_table lora_kernels_##ISA = {                                              \
+        #ISA,                                                                                   \
+        {{lora_project_f32_f32_##ISA, lora_project_f32_f16_##ISA, lora_project_f32_bf16_##ISA}, \
+         {lora_project_f16_f32_##ISA, lora_project_f16_f16_##ISA, lora_project_f16_bf16_##ISA}, \
+         {lora_project_bf16_f32_##ISA, lora_project_bf16_f16_##ISA,                             \
+          lora_project_bf16_bf16_##ISA}},                                                       \
+        {lora_accumulate_f32_##ISA, lora_accumulate_f16_##ISA, lora_accumulate_bf16_##ISA},     \
+        lora_read_##ISA,                                                                        \
+        {NULL, lora_widen_f16_##ISA, lora_widen_bf16_##ISA},                                    \
+    };
 
 static inline size_t lora_dtype_size(int dtype) { return dtype == LORA_DTYPE_F32 ? 4 : 2; }
 
@@ -104,11 +185,48 @@ static inline float lora_bf16_to_f32(uint16_t h) {
     return v.f;
 }
 
-/* element i of a storage-dtype array, as float32 */
+/* float32 -> bfloat16, round to nearest even; NaN stays NaN (quiet bit set),
+ * overflow gives inf, as ml_dtypes' conversion does */
+static inline uint16_t lora_f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* float32 -> float16, round to nearest even (subnormals included); NaN stays
+ * NaN, overflow gives inf, as NumPy's astype(float16) does */
+static inline uint16_t lora_f32_to_f16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    const uint32_t sign = (v.u >> 16) & 0x8000u, mag = v.u & 0x7fffffffu;
+    if (mag > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((mag >> 13) & 0x1ffu));  /* nan */
+    if (mag >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* >= 65520: rounds to inf */
+    if (mag < 0x38800000u) {                                    /* below 2^-14: subnormal */
+        if (mag < 0x33000000u) return (uint16_t)sign;           /* <= 2^-25: rounds to 0 */
+        const uint32_t e = mag >> 23, man = (mag & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126u - e;                        /* 14..24 */
+        uint32_t h = man >> shift;
+        const uint32_t rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (h & 1u))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((mag >> 13) - (112u << 10));
+    const uint32_t rem = mag & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;     /* a carry into the exponent is right */
+    return (uint16_t)(sign | h);
+}
+
+/* element i of a dtype array, as float32 */
 static inline float lora_load_f32(const void *p, int64_t i, int dtype) {
     if (dtype == LORA_DTYPE_F32) return ((const float *)p)[i];
     if (dtype == LORA_DTYPE_F16) return lora_f16_to_f32(((const uint16_t *)p)[i]);
     return lora_bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+/* element i of a dtype array = v, rounded to nearest even */
+static inline void lora_store_f32(void *p, int64_t i, float v, int dtype) {
+    if (dtype == LORA_DTYPE_F32) ((float *)p)[i] = v;
+    else if (dtype == LORA_DTYPE_F16) ((uint16_t *)p)[i] = lora_f32_to_f16(v);
+    else ((uint16_t *)p)[i] = lora_f32_to_bf16(v);
 }
 
 #endif /* LORA_KERNELS_H */

@@ -61,15 +61,15 @@ INLINE_ float hsum_f32x8_(__m256 v) {
 
 /* nr ranks (k .. k+nr) x nb positions; nr in {1, 4}, nb in {1, 2} */
 INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
-                           const int nb, const float *const *xs, float *t, int64_t ldt,
-                           const int dt) {
+                           const int nb, const void *const *xs, float *t, int64_t ldt,
+                           const int dt, const int xt) {
     __m256 acc_f32x8[4][2];
     for (int r = 0; r < nr; r++)
         for (int b = 0; b < nb; b++) acc_f32x8[r][b] = _mm256_setzero_ps();
     const int64_t body = cols & ~(int64_t)7;
     for (int64_t j = 0; j < body; j += 8) {
         __m256 x_f32x8[2];
-        for (int b = 0; b < nb; b++) x_f32x8[b] = _mm256_loadu_ps(xs[b] + j);
+        for (int b = 0; b < nb; b++) x_f32x8[b] = load_f32x8_(xs[b], j, xt);
         for (int r = 0; r < nr; r++) {
             const __m256 a_f32x8 = load_f32x8_(a, (k + r) * lda + j, dt);
             for (int b = 0; b < nb; b++)
@@ -80,33 +80,34 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, 
         for (int b = 0; b < nb; b++) {
             float tail = 0.0f;
             for (int64_t j = body; j < cols; j++)
-                tail = fmaf(load_f32_(a, (k + r) * lda + j, dt), xs[b][j], tail);
+                tail = fmaf(load_f32_(a, (k + r) * lda + j, dt), load_f32_(xs[b], j, xt), tail);
             t[b * ldt + k + r] = hsum_f32x8_(acc_f32x8[r][b]) + tail;
         }
     }
 }
 
 INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                      int nb, const float *const *xs, float *t, int64_t ldt, const int dt) {
+                      int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
+                      const int xt) {
     for (int b = 0; b < nb; b += 2) {
-        const float *const *xb = xs + b;
+        const void *const *xb = xs + b;
         float *tb = t + b * ldt;
         int64_t k = k0;
         if (nb - b >= 2) {
-            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 2, xb, tb, ldt, dt);
-            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 2, xb, tb, ldt, dt);
+            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 2, xb, tb, ldt, dt, xt);
+            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 2, xb, tb, ldt, dt, xt);
         } else {
-            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 1, xb, tb, ldt, dt);
-            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 1, xb, tb, ldt, dt);
+            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 1, xb, tb, ldt, dt, xt);
+            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 1, xb, tb, ldt, dt, xt);
         }
     }
 }
 
 /* outputs i .. i + 8*nv of nb positions; nv in {1, 2}, nb in {1, 2}: 4
  * block sums + 4 running totals + 3 operands = 11 of the 16 ymm registers */
-INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
-                              const int nb, const float *u, int64_t ldu, float scale,
-                              float *const *outs, const int dt) {
+INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+                        const int nb, const float *u, int64_t ldu, const float *scale,
+                        float *const *outs, int64_t obase, const int dt) {
     __m256 total_f32x8[2][2] = {{_mm256_setzero_ps()}}, block_f32x8[2][2];
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
@@ -127,25 +128,29 @@ INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t 
                                             : _mm256_add_ps(total_f32x8[v][b], block_f32x8[v][b]);
     }
     for (int b = 0; b < nb; b++) {
+        if (scale[b] == 0.0f) continue;
         for (int v = 0; v < nv; v++) {
-            float *o = outs[b] + i + 8 * v;
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(total_f32x8[v][b], _mm256_set1_ps(scale),
+            float *o = outs[b] + (i - obase) + 8 * v;
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(total_f32x8[v][b], _mm256_set1_ps(scale[b]),
                                                 _mm256_loadu_ps(o)));
         }
     }
 }
 
-INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                            const int nb, const float *u, int64_t ldu, float scale,
-                            float *const *outs, const int dt) {
+/* one term over outputs [i0, i1) of nb positions; output i lives at
+ * outs[b][i - obase] */
+INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                      const int nb, const float *u, int64_t ldu, const float *scale,
+                      float *const *outs, int64_t obase, const int dt) {
     int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) accumulate_tile_(m, ldm, kdim, i, 2, nb, u, ldu, scale, outs, dt);
+    for (; i + 16 <= i1; i += 16) term_tile_(m, ldm, kdim, i, 2, nb, u, ldu, scale, outs, obase, dt);
     if (i + 8 <= i1) {
-        accumulate_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, dt);
+        term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, dt);
         i += 8;
     }
     for (; i < i1; i++) {  /* the same blocked chains, one lane at a time */
         for (int b = 0; b < nb; b++) {
+            if (scale[b] == 0.0f) continue;
             float total = 0.0f;
             for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
                 const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
@@ -154,41 +159,94 @@ INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0
                     block = fmaf(load_f32_(m, k * ldm + i, dt), u[b * ldu + k], block);
                 total = k0 == 0 ? block : total + block;
             }
-            outs[b][i] = fmaf(total, scale, outs[b][i]);
+            outs[b][i - obase] = fmaf(total, scale[b], outs[b][i - obase]);
         }
     }
 }
 
-INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                         int nb, const float *u, int64_t ldu, float scale, float *const *outs,
-                         const int dt) {
+INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
+                   int64_t obase, const int dt) {
     /* positions in pairs; a constant pair size keeps every accumulator in a register */
     for (int b = 0; b < nb; b += 2) {
         if (nb - b >= 2)
-            accumulate_nb_(m, ldm, kdim, i0, i1, 2, u + b * ldu, ldu, scale, outs + b, dt);
+            term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 2, tm->u + b * tm->ldu, tm->ldu,
+                     tm->scale + b, outs + b, obase, dt);
         else
-            accumulate_nb_(m, ldm, kdim, i0, i1, 1, u + b * ldu, ldu, scale, outs + b, dt);
+            term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 1, tm->u + b * tm->ldu, tm->ldu,
+                     tm->scale + b, outs + b, obase, dt);
     }
 }
 
-#define LORA_WRAP_(DT, NAME)                                                                  \
-    static void lora_project_##NAME##_avx2(const void *a, int64_t lda, int64_t cols,         \
-                                           int64_t k0, int64_t k1, int nb,                   \
-                                           const float *const *xs, float *t, int64_t ldt) {  \
-        project_(a, lda, cols, k0, k1, nb, xs, t, ldt, DT);                                  \
-    }                                                                                         \
-    static void lora_accumulate_##NAME##_avx2(const void *m, int64_t ldm, int64_t kdim,      \
-                                              int64_t i0, int64_t i1, int nb,                \
-                                              const float *u, int64_t ldu, float scale,      \
-                                              float *const *outs) {                          \
-        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, DT);                      \
+INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
+                    float *const *outs, int64_t obase) {
+    for (int q = 0; q < n_terms; q++) {
+        switch (terms[q].dtype) {
+        case LORA_DTYPE_F32: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
+        case LORA_DTYPE_F16: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
+        default: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
+        }
     }
-LORA_WRAP_(LORA_DTYPE_F32, f32)
-LORA_WRAP_(LORA_DTYPE_F16, f16)
-LORA_WRAP_(LORA_DTYPE_BF16, bf16)
+}
+
+INLINE_ void widen_(const void *src, int64_t n, float *dst, const int dt) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_f32x8_(src, i, dt));
+    for (; i < n; i++) dst[i] = load_f32_(src, i, dt);
+}
+
+/* dst[i] = src[i] rounded to nearest even into ot (float16 or bfloat16) */
+INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
+    uint16_t *d = (uint16_t *)dst;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(src + i);
+        __m128i h;
+        if (ot == LORA_DTYPE_F16) {
+            h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        } else {
+            const __m256i u = _mm256_castps_si256(v);
+            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+            __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+            const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+            const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
+            const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+            r = _mm256_blendv_epi8(r, quiet, nan);
+            h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        }
+        _mm_storeu_si128((__m128i *)(d + i), h);
+    }
+    for (; i < n; i++) lora_store_f32(dst, i, src[i], ot);
+}
+
+INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
+                         void *const *outs, const int ot) {
+    if (ot == LORA_DTYPE_F32) {
+        /* a strip of outputs stays in L1 while every term adds into it */
+        for (int64_t i = i0; i < i1; i += LORA_STRIP)
+            terms_(terms, n_terms, i, i + LORA_STRIP < i1 ? i + LORA_STRIP : i1, nb,
+                   (float *const *)outs, 0);
+        return;
+    }
+    int touched[LORA_NB] = {0};
+    for (int q = 0; q < n_terms; q++)
+        for (int b = 0; b < nb; b++) touched[b] |= terms[q].scale[b] != 0.0f;
+    float strip[LORA_NB][LORA_STRIP];
+    for (int64_t i = i0; i < i1; i += LORA_STRIP) {
+        const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
+        float *so[LORA_NB];
+        for (int b = 0; b < nb; b++) {
+            so[b] = strip[b];  /* output i at strip[b][i - i_strip] */
+            if (touched[b]) widen_((const uint16_t *)outs[b] + i, n, strip[b], ot);
+        }
+        terms_(terms, n_terms, i, i + n, nb, so, i);
+        for (int b = 0; b < nb; b++)
+            if (touched[b]) narrow_(strip[b], n, (uint16_t *)outs[b] + i, ot);
+    }
+}
 
 /* 4 independent adds in flight: enough to saturate two load ports from L1 */
-static double lora_read_avx2(const float *buf, int64_t n) {
+INLINE_ double read_(const float *buf, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     int64_t j = 0;
     for (; j + 32 <= n; j += 32) {
@@ -202,27 +260,12 @@ static double lora_read_avx2(const float *buf, int64_t n) {
     return s;
 }
 
-#define LORA_WIDEN_(DT, NAME)                                                                 \
-    static void lora_widen_##NAME##_avx2(const void *src, int64_t n, float *dst) {           \
-        int64_t i = 0;                                                                        \
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_f32x8_(src, i, DT));       \
-        for (; i < n; i++) dst[i] = load_f32_(src, i, DT);                                   \
-    }
-LORA_WIDEN_(LORA_DTYPE_F16, f16)
-LORA_WIDEN_(LORA_DTYPE_BF16, bf16)
+LORA_KERNEL_TABLE(avx2)
 
 #if defined(__clang__)
 #pragma clang attribute pop
 #elif defined(__GNUC__)
 #pragma GCC pop_options
 #endif
-
-const lora_kernel_table lora_kernels_avx2 = {
-    "avx2",
-    {lora_project_f32_avx2, lora_project_f16_avx2, lora_project_bf16_avx2},
-    {lora_accumulate_f32_avx2, lora_accumulate_f16_avx2, lora_accumulate_bf16_avx2},
-    lora_read_avx2,
-    {NULL, lora_widen_f16_avx2, lora_widen_bf16_avx2},
-};
 
 #endif /* LORA_HAVE_X86 */

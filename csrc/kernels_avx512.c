@@ -72,13 +72,13 @@ INLINE_ __mmask16 tail_mask_(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 /* nr ranks x nb positions (nr * nb <= 16) over columns [j0, j1) (whole
  * vectors); accumulators in state[r*nb + b] */
 INLINE_ void project_tile_(const void *a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
-                           const int nr, const int nb, const float *const *xs, __m512 *state,
-                           const int dt) {
+                           const int nr, const int nb, const void *const *xs, __m512 *state,
+                           const int dt, const int xt) {
     __m512 acc_f32x16[16];
     for (int i = 0; i < nr * nb; i++) acc_f32x16[i] = state[i];
     for (int64_t j = j0; j < j1; j += 16) {
         __m512 x_f32x16[8];
-        for (int b = 0; b < nb; b++) x_f32x16[b] = _mm512_loadu_ps(xs[b] + j);
+        for (int b = 0; b < nb; b++) x_f32x16[b] = load_f32x16_(xs[b], j, xt);
         for (int r = 0; r < nr; r++) {
             const __m512 a_f32x16 = load_f32x16_(a, (k + r) * lda + j, dt);
             for (int b = 0; b < nb; b++)
@@ -89,8 +89,8 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t k, int64_t j0, in
 }
 
 INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                         const int nb, const float *const *xs, float *t, int64_t ldt,
-                         const int dt) {
+                         const int nb, const void *const *xs, float *t, int64_t ldt,
+                         const int dt, const int xt) {
     /* nr * nb <= 16 accumulators (+ nb x vectors + 1 A vector <= 32 zmm) */
     const int nr = nb <= 2 ? 8 : 4;
     __m512 state[KGROUP_ * LORA_NB];
@@ -102,8 +102,8 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
             const int64_t j1 = j0 + CHUNK_ < body ? j0 + CHUNK_ : body;
             int k = 0;
             for (; k + nr <= kn; k += nr)
-                project_tile_(a, lda, kg + k, j0, j1, nr, nb, xs, state + k * nb, dt);
-            for (; k < kn; k++) project_tile_(a, lda, kg + k, j0, j1, 1, nb, xs, state + k * nb, dt);
+                project_tile_(a, lda, kg + k, j0, j1, nr, nb, xs, state + k * nb, dt, xt);
+            for (; k < kn; k++) project_tile_(a, lda, kg + k, j0, j1, 1, nb, xs, state + k * nb, dt, xt);
         }
         const __mmask16 mask = tail_mask_(cols - body);
         for (int k = 0; k < kn; k++) {
@@ -112,7 +112,7 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
             for (int b = 0; b < nb; b++) {
                 __m512 acc_f32x16 = state[k * nb + b];
                 if (body < cols)
-                    acc_f32x16 = _mm512_fmadd_ps(a_f32x16, _mm512_maskz_loadu_ps(mask, xs[b] + body),
+                    acc_f32x16 = _mm512_fmadd_ps(a_f32x16, load_masked_f32x16_(xs[b], body, mask, xt),
                                                  acc_f32x16);
                 t[b * ldt + kg + k] = _mm512_reduce_add_ps(acc_f32x16);
             }
@@ -121,23 +121,25 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
 }
 
 INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                      int nb, const float *const *xs, float *t, int64_t ldt, const int dt) {
+                      int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
+                      const int xt) {
     switch (nb) {  /* constant nb lets the compiler keep every accumulator in a register */
-    case 1: project_nb_(a, lda, cols, k0, k1, 1, xs, t, ldt, dt); break;
-    case 2: project_nb_(a, lda, cols, k0, k1, 2, xs, t, ldt, dt); break;
-    case 3: project_nb_(a, lda, cols, k0, k1, 3, xs, t, ldt, dt); break;
-    default: project_nb_(a, lda, cols, k0, k1, 4, xs, t, ldt, dt); break;
+    case 1: project_nb_(a, lda, cols, k0, k1, 1, xs, t, ldt, dt, xt); break;
+    case 2: project_nb_(a, lda, cols, k0, k1, 2, xs, t, ldt, dt, xt); break;
+    case 3: project_nb_(a, lda, cols, k0, k1, 3, xs, t, ldt, dt, xt); break;
+    default: project_nb_(a, lda, cols, k0, k1, 4, xs, t, ldt, dt, xt); break;
     }
 }
 
-/* outputs i .. i + 16*nv of nb positions (the last vector masked by `last`);
- * nv * nb <= 8 block sums + 8 running totals + nv + 1 operands <= 25 zmm, or,
- * when the rank fits one block (one_block: kdim <= LORA_KBLOCK, the common
- * case), nv * nb <= 16 sums and no totals: the same arithmetic, since the
- * first block's sum is the total */
-INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
-                              __mmask16 last, const int nb, const float *u, int64_t ldu,
-                              float scale, float *const *outs, const int dt, const int one_block) {
+/* outputs i .. i + 16*nv of nb positions (the last vector masked by `last`),
+ * output i living at outs[b][i - obase]; nv * nb <= 8 block sums + 8 running
+ * totals + nv + 1 operands <= 25 zmm, or, when the rank fits one block
+ * (one_block: kdim <= LORA_KBLOCK, the common case), nv * nb <= 16 sums and
+ * no totals: the same arithmetic, since the first block's sum is the total */
+INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+                        __mmask16 last, const int nb, const float *u, int64_t ldu,
+                        const float *scale, float *const *outs, int64_t obase, const int dt,
+                        const int one_block) {
     __m512 total_f32x16[16] = {_mm512_setzero_ps()}, block_f32x16[16];
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = one_block ? kdim : k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
@@ -162,64 +164,115 @@ INLINE_ void accumulate_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t 
             total_f32x16[q] = k0 == 0 ? block_f32x16[q] : _mm512_add_ps(total_f32x16[q], block_f32x16[q]);
     }
     for (int b = 0; b < nb; b++) {
+        if (scale[b] == 0.0f) continue;
         for (int v = 0; v < nv; v++) {
-            float *o = outs[b] + i + 16 * v;
+            float *o = outs[b] + (i - obase) + 16 * v;
             const __mmask16 mask = v == nv - 1 ? last : (__mmask16)0xffff;
-            const __m512 sum = _mm512_fmadd_ps(total_f32x16[v * nb + b], _mm512_set1_ps(scale),
+            const __m512 sum = _mm512_fmadd_ps(total_f32x16[v * nb + b], _mm512_set1_ps(scale[b]),
                                                _mm512_maskz_loadu_ps(mask, o));
             _mm512_mask_storeu_ps(o, mask, sum);
         }
     }
 }
 
-INLINE_ void accumulate_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                            const int nb, const float *u, int64_t ldu, float scale,
-                            float *const *outs, const int dt) {
+INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                      const int nb, const float *u, int64_t ldu, const float *scale,
+                      float *const *outs, int64_t obase, const int dt) {
     int64_t i = i0;
     if (kdim <= LORA_KBLOCK) {
         const int nv = nb <= 2 ? 8 : 4;
         for (; i + 16 * nv <= i1; i += 16 * nv)
-            accumulate_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt, 1);
+            term_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, dt, 1);
     } else {
         const int nv = nb == 1 ? 8 : nb == 2 ? 4 : 2;
         for (; i + 16 * nv <= i1; i += 16 * nv)
-            accumulate_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt, 0);
+            term_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, dt, 0);
     }
     for (; i + 16 <= i1; i += 16)
-        accumulate_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, dt, 0);
+        term_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, dt, 0);
     if (i < i1)
-        accumulate_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, dt, 0);
+        term_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, obase, dt, 0);
 }
 
-INLINE_ void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                         int nb, const float *u, int64_t ldu, float scale, float *const *outs,
-                         const int dt) {
+INLINE_ void term_dt_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
+                      int64_t obase, const int dt) {
     switch (nb) {
-    case 1: accumulate_nb_(m, ldm, kdim, i0, i1, 1, u, ldu, scale, outs, dt); break;
-    case 2: accumulate_nb_(m, ldm, kdim, i0, i1, 2, u, ldu, scale, outs, dt); break;
-    case 3: accumulate_nb_(m, ldm, kdim, i0, i1, 3, u, ldu, scale, outs, dt); break;
-    default: accumulate_nb_(m, ldm, kdim, i0, i1, 4, u, ldu, scale, outs, dt); break;
+    case 1: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 1, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
+    case 2: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 2, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
+    case 3: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 3, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
+    default: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 4, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
     }
 }
 
-#define LORA_WRAP_(DT, NAME)                                                                  \
-    static void lora_project_##NAME##_avx512(const void *a, int64_t lda, int64_t cols,       \
-                                             int64_t k0, int64_t k1, int nb,                 \
-                                             const float *const *xs, float *t, int64_t ldt) { \
-        project_(a, lda, cols, k0, k1, nb, xs, t, ldt, DT);                                  \
-    }                                                                                         \
-    static void lora_accumulate_##NAME##_avx512(const void *m, int64_t ldm, int64_t kdim,    \
-                                                int64_t i0, int64_t i1, int nb,              \
-                                                const float *u, int64_t ldu, float scale,    \
-                                                float *const *outs) {                        \
-        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, DT);                      \
+INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
+                    float *const *outs, int64_t obase) {
+    for (int q = 0; q < n_terms; q++) {
+        switch (terms[q].dtype) {
+        case LORA_DTYPE_F32: term_dt_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
+        case LORA_DTYPE_F16: term_dt_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
+        default: term_dt_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
+        }
     }
-LORA_WRAP_(LORA_DTYPE_F32, f32)
-LORA_WRAP_(LORA_DTYPE_F16, f16)
-LORA_WRAP_(LORA_DTYPE_BF16, bf16)
+}
+
+INLINE_ void widen_(const void *src, int64_t n, float *dst, const int dt) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_f32x16_(src, i, dt));
+    if (i < n)
+        _mm512_mask_storeu_ps(dst + i, tail_mask_(n - i),
+                              load_masked_f32x16_(src, i, tail_mask_(n - i), dt));
+}
+
+/* 16 float32 -> float16 / bfloat16, round to nearest even (NaN stays NaN) */
+INLINE_ __m256i narrow_f32x16_(__m512 v, const int ot) {
+    if (ot == LORA_DTYPE_F16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
+    uint16_t *d = (uint16_t *)dst;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(d + i), narrow_f32x16_(_mm512_loadu_ps(src + i), ot));
+    if (i < n) {
+        const __mmask16 mask = tail_mask_(n - i);
+        _mm256_mask_storeu_epi16(d + i, mask, narrow_f32x16_(_mm512_maskz_loadu_ps(mask, src + i), ot));
+    }
+}
+
+INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
+                         void *const *outs, const int ot) {
+    if (ot == LORA_DTYPE_F32) {
+        /* a strip of outputs stays in L1 while every term adds into it */
+        for (int64_t i = i0; i < i1; i += LORA_STRIP)
+            terms_(terms, n_terms, i, i + LORA_STRIP < i1 ? i + LORA_STRIP : i1, nb,
+                   (float *const *)outs, 0);
+        return;
+    }
+    int touched[LORA_NB] = {0};
+    for (int q = 0; q < n_terms; q++)
+        for (int b = 0; b < nb; b++) touched[b] |= terms[q].scale[b] != 0.0f;
+    float strip[LORA_NB][LORA_STRIP];
+    float *so[LORA_NB];
+    for (int b = 0; b < nb; b++) so[b] = strip[b];
+    for (int64_t i = i0; i < i1; i += LORA_STRIP) {
+        const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
+        for (int b = 0; b < nb; b++)
+            if (touched[b]) widen_((const uint16_t *)outs[b] + i, n, strip[b], ot);
+        terms_(terms, n_terms, i, i + n, nb, so, i);  /* output i at strip[b][i - i_strip] */
+        for (int b = 0; b < nb; b++)
+            if (touched[b]) narrow_(strip[b], n, (uint16_t *)outs[b] + i, ot);
+    }
+}
 
 /* 4 independent adds in flight: two 64-byte loads per cycle from L1 */
-static double lora_read_avx512(const float *buf, int64_t n) {
+INLINE_ double read_(const float *buf, int64_t n) {
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     int64_t j = 0;
     for (; j + 64 <= n; j += 64) {
@@ -233,29 +286,12 @@ static double lora_read_avx512(const float *buf, int64_t n) {
     return s;
 }
 
-#define LORA_WIDEN_(DT, NAME)                                                                 \
-    static void lora_widen_##NAME##_avx512(const void *src, int64_t n, float *dst) {         \
-        int64_t i = 0;                                                                        \
-        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_f32x16_(src, i, DT));    \
-        if (i < n)                                                                            \
-            _mm512_mask_storeu_ps(dst + i, tail_mask_(n - i),                                 \
-                                  load_masked_f32x16_(src, i, tail_mask_(n - i), DT));        \
-    }
-LORA_WIDEN_(LORA_DTYPE_F16, f16)
-LORA_WIDEN_(LORA_DTYPE_BF16, bf16)
+LORA_KERNEL_TABLE(avx512)
 
 #if defined(__clang__)
 #pragma clang attribute pop
 #elif defined(__GNUC__)
 #pragma GCC pop_options
 #endif
-
-const lora_kernel_table lora_kernels_avx512 = {
-    "avx512",
-    {lora_project_f32_avx512, lora_project_f16_avx512, lora_project_bf16_avx512},
-    {lora_accumulate_f32_avx512, lora_accumulate_f16_avx512, lora_accumulate_bf16_avx512},
-    lora_read_avx512,
-    {NULL, lora_widen_f16_avx512, lora_widen_bf16_avx512},
-};
 
 #endif /* LORA_HAVE_X86 */

@@ -9,7 +9,9 @@
  * compiler fuses them, and the bits are the same on every target.
  *
  * Summation order (one per output element, shared by decode, batch, stack
- * and bank):
+ * and bank, and by every dtype of x and out: x is widened exactly first, a
+ * half-precision out is widened into a float32 strip and rounded once after
+ * the last term):
  *   project     t[k]  = ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)), where lane
  *               l = sum over j = l (mod 8), ascending j, of A[k,j]*x[j]
  *               (8 lanes so the compiler may keep them in two SSE/NEON
@@ -17,82 +19,81 @@
  *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
  *               (((0 + M[k,i]u[k]) + M[k+1,i]u[k+1]) + ...) over k in
  *               [16m, 16m+16) ascending (LORA_KBLOCK); then out[i] + s * total
- *               (a multiply, then an add).
+ *               (a multiply, then an add), term by term in stack order.
  * Tail strategy: the lane index is j mod 8, so the tail needs no special
- * case.  Accumulators: 8 lanes in project, a strip of 64 outputs (block sums
- * and running totals) in accumulate.
+ * case.  Accumulators: 8 lanes in project, a strip of LORA_STRIP outputs
+ * (block sums and running totals) in accumulate.
  */
 #include "kernels.h"
 
-#define STRIP_ 64
-
-static inline void project_(const void *a, int64_t lda, int64_t cols, int64_t k0,
-                            int64_t k1, int nb, const float *const *xs, float *t,
-                            int64_t ldt, const int dt) {
+/* t[b*ldt + k] for k in [k0, k1): x widened element by element */
+static inline void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                            int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
+                            const int xt) {
     for (int64_t k = k0; k < k1; k++) {
         for (int b = 0; b < nb; b++) {
-            const float *x = xs[b];
+            const void *x = xs[b];
             const int64_t row = k * lda;
             float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             int64_t j = 0;
-            if (dt == LORA_DTYPE_F32) {
-                const float *ak = (const float *)a + row;
+            if (dt == LORA_DTYPE_F32 && xt == LORA_DTYPE_F32) {
+                const float *ak = (const float *)a + row, *xf = (const float *)x;
                 for (; j + 8 <= cols; j += 8)
-                    for (int l = 0; l < 8; l++) lane[l] += ak[j + l] * x[j + l];
+                    for (int l = 0; l < 8; l++) lane[l] += ak[j + l] * xf[j + l];
             }
-            for (; j < cols; j++) lane[j & 7] += lora_load_f32(a, row + j, dt) * x[j];
+            for (; j < cols; j++) lane[j & 7] += lora_load_f32(a, row + j, dt) * lora_load_f32(x, j, xt);
             t[b * ldt + k] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
                              ((lane[4] + lane[5]) + (lane[6] + lane[7]));
         }
     }
 }
 
-static inline void accumulate_(const void *m, int64_t ldm, int64_t kdim, int64_t i0,
-                               int64_t i1, int nb, const float *u, int64_t ldu, float scale,
-                               float *const *outs, const int dt) {
-    float total[STRIP_], block[STRIP_];
-    for (int b = 0; b < nb; b++) {
-        const float *ub = u + b * ldu;
-        float *out = outs[b];
-        for (int64_t i = i0; i < i1; i += STRIP_) {
-            const int n = (int)(i1 - i < STRIP_ ? i1 - i : STRIP_);
-            for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
-                const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
-                for (int l = 0; l < n; l++) block[l] = 0.0f;
-                for (int64_t k = k0; k < k1; k++) {
-                    const float uk = ub[k];
-                    const int64_t row = k * ldm + i;
-                    if (dt == LORA_DTYPE_F32) {
-                        const float *mk = (const float *)m + row;
-                        for (int l = 0; l < n; l++) block[l] += mk[l] * uk;
-                    } else {
-                        for (int l = 0; l < n; l++) block[l] += lora_load_f32(m, row + l, dt) * uk;
-                    }
-                }
-                for (int l = 0; l < n; l++) total[l] = k0 == 0 ? block[l] : total[l] + block[l];
+/* o[l] += s * (sum over k of M[k, i+l] u[k]) for l < n, the blocked order of
+ * the header */
+static inline void term_strip_(const lora_term *tm, int b, int64_t i, int n, float *o) {
+    float total[LORA_STRIP], block[LORA_STRIP];
+    const float *ub = tm->u + b * tm->ldu;
+    const int dt = tm->dtype;
+    for (int64_t k0 = 0; k0 < tm->kdim; k0 += LORA_KBLOCK) {
+        const int64_t k1 = k0 + LORA_KBLOCK < tm->kdim ? k0 + LORA_KBLOCK : tm->kdim;
+        for (int l = 0; l < n; l++) block[l] = 0.0f;
+        for (int64_t k = k0; k < k1; k++) {
+            const float uk = ub[k];
+            const int64_t row = k * tm->ldm + i;
+            if (dt == LORA_DTYPE_F32) {
+                const float *mk = (const float *)tm->m + row;
+                for (int l = 0; l < n; l++) block[l] += mk[l] * uk;
+            } else {
+                for (int l = 0; l < n; l++) block[l] += lora_load_f32(tm->m, row + l, dt) * uk;
             }
-            for (int l = 0; l < n; l++) out[i + l] += scale * total[l];
+        }
+        for (int l = 0; l < n; l++) total[l] = k0 == 0 ? block[l] : total[l] + block[l];
+    }
+    const float s = tm->scale[b];
+    for (int l = 0; l < n; l++) o[l] += s * total[l];
+}
+
+static inline void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
+                               int nb, void *const *outs, const int ot) {
+    float strip[LORA_STRIP];
+    for (int b = 0; b < nb; b++) {
+        int touched = 0;
+        for (int q = 0; q < n_terms; q++) touched |= terms[q].scale[b] != 0.0f;
+        if (!touched) continue;  /* no term adds here: the element keeps its bits */
+        for (int64_t i = i0; i < i1; i += LORA_STRIP) {
+            const int n = (int)(i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP);
+            float *o = ot == LORA_DTYPE_F32 ? (float *)outs[b] + i : strip;
+            if (ot != LORA_DTYPE_F32)
+                for (int l = 0; l < n; l++) o[l] = lora_load_f32(outs[b], i + l, ot);
+            for (int q = 0; q < n_terms; q++)
+                if (terms[q].scale[b] != 0.0f) term_strip_(&terms[q], b, i, n, o);
+            if (ot != LORA_DTYPE_F32)
+                for (int l = 0; l < n; l++) lora_store_f32(outs[b], i + l, o[l], ot);
         }
     }
 }
 
-#define LORA_WRAP_(DT, NAME)                                                                  \
-    static void lora_project_##NAME##_scalar(const void *a, int64_t lda, int64_t cols,       \
-                                             int64_t k0, int64_t k1, int nb,                 \
-                                             const float *const *xs, float *t, int64_t ldt) { \
-        project_(a, lda, cols, k0, k1, nb, xs, t, ldt, DT);                                  \
-    }                                                                                         \
-    static void lora_accumulate_##NAME##_scalar(const void *m, int64_t ldm, int64_t kdim,    \
-                                                int64_t i0, int64_t i1, int nb,              \
-                                                const float *u, int64_t ldu, float scale,    \
-                                                float *const *outs) {                        \
-        accumulate_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, DT);                      \
-    }
-LORA_WRAP_(LORA_DTYPE_F32, f32)
-LORA_WRAP_(LORA_DTYPE_F16, f16)
-LORA_WRAP_(LORA_DTYPE_BF16, bf16)
-
-static double lora_read_scalar(const float *buf, int64_t n) {
+static inline double read_(const float *buf, int64_t n) {
     float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t j = 0; j < n; j++) lane[j & 7] += buf[j];
     double s = 0;
@@ -100,18 +101,8 @@ static double lora_read_scalar(const float *buf, int64_t n) {
     return s;
 }
 
-static void lora_widen_f16_scalar(const void *src, int64_t n, float *dst) {
-    for (int64_t i = 0; i < n; i++) dst[i] = lora_load_f32(src, i, LORA_DTYPE_F16);
+static inline void widen_(const void *src, int64_t n, float *dst, const int dt) {
+    for (int64_t i = 0; i < n; i++) dst[i] = lora_load_f32(src, i, dt);
 }
 
-static void lora_widen_bf16_scalar(const void *src, int64_t n, float *dst) {
-    for (int64_t i = 0; i < n; i++) dst[i] = lora_load_f32(src, i, LORA_DTYPE_BF16);
-}
-
-const lora_kernel_table lora_kernels_scalar = {
-    "scalar",
-    {lora_project_f32_scalar, lora_project_f16_scalar, lora_project_bf16_scalar},
-    {lora_accumulate_f32_scalar, lora_accumulate_f16_scalar, lora_accumulate_bf16_scalar},
-    lora_read_scalar,
-    {NULL, lora_widen_f16_scalar, lora_widen_bf16_scalar},
-};
+LORA_KERNEL_TABLE(scalar)

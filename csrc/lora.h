@@ -4,7 +4,8 @@
  *
  * The operation: out[b, :] += s * B (A x[b, :]) with A = lora_a [rank, cols],
  * B = lora_b [rows, rank], both held by an opaque lora_delta in one storage
- * dtype (float32, float16 or bfloat16) and computed in float32.
+ * dtype (float32, float16 or bfloat16), x and out in any of the three, and
+ * everything computed in float32.
  *
  * Every entry point validates what it can see (overlap of x and out, ids in
  * range) before its first write and returns a LORA_ERR_* status; C never
@@ -32,8 +33,9 @@ typedef struct lora_delta lora_delta;
 #define LORA_ERR_ADAPTER 5   /* an adapter id out of [-1, n_entries); *bad = its position */
 #define LORA_ERR_ALIGN 6     /* x or out not 4-byte aligned (ids: 8), which C may not read */
 #define LORA_ERR_SCALE 7     /* an effective scale that is not finite in float32 */
+#define LORA_ERR_DTYPE 8     /* an unknown dtype code */
 
-/* storage dtypes */
+/* dtypes, of storage and of activations */
 #define LORA_DTYPE_F32 0
 #define LORA_DTYPE_F16 1
 #define LORA_DTYPE_BF16 2
@@ -65,30 +67,44 @@ void lora_delta_free(lora_delta *d);
 /* copies the stored values back out, in the layout lora_delta_new took */
 void lora_delta_export(const lora_delta *d, void *a, void *b);
 
+/* Activations (x, out) may be float32, float16 or bfloat16 (the LORA_DTYPE_*
+ * codes), independently of the delta's storage dtype and of each other.
+ * Compute is float32: x is widened exactly; a half-precision out element is
+ * widened, updated by every delta of its entry in order, and rounded once to
+ * nearest even.  ldx / ldo are leading dimensions in elements of x / out. */
+
 /* decode: out[rows] += scale * B (A x[cols]) */
-int lora_add(const lora_delta *d, float scale, const void *x, void *out);
+int lora_add(const lora_delta *d, float scale, const void *x, int x_dtype, void *out,
+             int out_dtype);
 
 /* prefill: out[b*ldo + i] += scale * (B A x[b*ldx + :])[i], b < batch */
-int lora_add_batch(const lora_delta *d, float scale, int64_t batch,
-                   const void *x, int64_t ldx, void *out, int64_t ldo);
+int lora_add_batch(const lora_delta *d, float scale, int64_t batch, const void *x, int x_dtype,
+                   int64_t ldx, void *out, int out_dtype, int64_t ldo);
 
 /* gather: out[i*ldo + j] += scale * (B[ids[i], :] A)[j], i < n */
-int lora_add_rows(const lora_delta *d, float scale, int64_t n, const int64_t *ids,
-                  void *out, int64_t ldo, int64_t *bad);
+int lora_add_rows(const lora_delta *d, float scale, int64_t n, const int64_t *ids, void *out,
+                  int out_dtype, int64_t ldo, int64_t *bad);
 
-/* stacks and banks: entry e is deltas[first[e] .. first[e+1]) applied in
- * order, each with scales[k]; position b uses entry entry_ids[b] (-1 = none;
- * entry_ids NULL = every position uses entry 0).  Every delta is rows x cols;
- * a delta whose scale is 0 is skipped before any arithmetic. */
-int lora_apply_batch(int64_t n_entries, const int64_t *first,
-                     const lora_delta *const *deltas, const float *scales,
-                     const int64_t *entry_ids, int64_t rows, int64_t cols, int64_t batch,
-                     const void *x, int64_t ldx, void *out, int64_t ldo, int64_t *bad);
-int lora_apply_rows(int64_t n_entries, const int64_t *first,
-                    const lora_delta *const *deltas, const float *scales,
-                    const int64_t *entry_ids, int64_t rows, int64_t cols,
-                    int64_t n, const int64_t *ids,
-                    void *out, int64_t ldo, int64_t *bad);
+/* Stacks and banks.  Entry e is deltas[first[e] .. first[e+1]), applied in
+ * order in one pass (x read once per block of positions, each out element
+ * rounded once); scales[q] is delta q's effective scale.  Position b uses
+ * entry entry_ids[b / ids_every] (-1 = none; entry_ids NULL = every position
+ * uses entry 0).  pos_scales (NULL = none) multiplies the scales of position
+ * b by pos_scales[b / ids_every]: delta q there uses
+ * (float)(scales[q] * pos_scales[b / ids_every]), formed in double.  A delta
+ * whose float32 scale is 0 adds nothing to that position; a position whose
+ * multiplier is 0 is not touched.  Every delta is rows x cols.  A scale not
+ * finite in float32 is LORA_ERR_SCALE before anything is written, with *bad
+ * the position (or -1 when the delta's own scale is at fault). */
+int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
+                     const double *scales, const int64_t *entry_ids, const double *pos_scales,
+                     int64_t ids_every, int64_t rows, int64_t cols, int64_t batch,
+                     const void *x, int x_dtype, int64_t ldx, void *out, int out_dtype,
+                     int64_t ldo, int64_t *bad);
+int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
+                    const double *scales, const int64_t *entry_ids, const double *pos_scales,
+                    int64_t ids_every, int64_t rows, int64_t cols, int64_t n, const int64_t *ids,
+                    void *out, int out_dtype, int64_t ldo, int64_t *bad);
 
 /* benchmark helper: reads n floats reps times over nthreads threads with the
  * active ISA's widest loads; returns a checksum so nothing is optimised away */

@@ -234,7 +234,7 @@ def effective_scales(deltas):
         if value is None:
             value = seen[id(scale)] = scale._value
         values.append(value * d._alpha_factor)
-    return ffi.new("float[]", values)
+    return ffi.new("double[]", values)
 
 
 _NO_X = object()

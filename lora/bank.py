@@ -132,8 +132,8 @@ class LoraBank:
         if batch:
             bad = ffi.new("int64_t *")
             status = lib.lora_apply_batch(len(self._entries), self._first, self._ptrs, scales,
-                                          ffi.from_buffer("int64_t[]", ids), rows, cols, batch, xp, ldx, op,
-                                          ldo, bad)
+                                          ffi.from_buffer("int64_t[]", ids), ffi.NULL, 1, rows, cols,
+                                          batch, xp, 0, ldx, op, 0, ldo, bad)
             if status:
                 self._raise(status, ids, bad=bad)
         return out
@@ -157,8 +157,8 @@ class LoraBank:
         if n:
             bad = ffi.new("int64_t *")
             status = lib.lora_apply_rows(len(self._entries), self._first, self._ptrs, scales,
-                                         ffi.from_buffer("int64_t[]", aid), rows, cols, n, ffi.from_buffer("int64_t[]", tok),
-                                         op, ldo, bad)
+                                         ffi.from_buffer("int64_t[]", aid), ffi.NULL, 1, rows, cols, n,
+                                         ffi.from_buffer("int64_t[]", tok), op, 0, ldo, bad)
             if status:
                 self._raise(status, aid, ids=tok, bad=bad)
         return out

@@ -217,10 +217,10 @@ class LoraDelta:
         else:
             x, xp, op = cv.prepare_vec(x, out, self._cols, self._rows)
         # always one C call: it checks x/out overlap, then skips all arithmetic at scale 0
-        status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, op)
+        status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, 0, op, 0)
         if status == lib.LORA_ERR_ALIGN:  # rare: a view at an odd byte offset; checks + copy
             x, xp, op = cv.prepare_vec(x, out, self._cols, self._rows)
-            status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, op)
+            status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, 0, op, 0)
         if status:
             cv.raise_status(status)
         return out
@@ -245,10 +245,10 @@ class LoraDelta:
             x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
         if batch:
             s = self._scale._value * self._alpha_factor
-            status = _lora_add_batch(self._ptr, s, batch, xp, ldx, op, ldo)
+            status = _lora_add_batch(self._ptr, s, batch, xp, 0, ldx, op, 0, ldo)
             if status == lib.LORA_ERR_ALIGN:  # rare: a view at an odd byte offset
                 x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
-                status = _lora_add_batch(self._ptr, s, batch, xp, ldx, op, ldo)
+                status = _lora_add_batch(self._ptr, s, batch, xp, 0, ldx, op, 0, ldo)
             if status:
                 cv.raise_status(status)
         return out
@@ -262,7 +262,7 @@ class LoraDelta:
         op, _ = cv.check_out(out_row, self._xshape, "out_row")
         ids = ffi.new("int64_t[1]", [r])
         status = _lora_add_rows(self._ptr, self._scale._value * self._alpha_factor, 1, ids, op,
-                                self._cols, ffi.NULL)
+                                0, self._cols, ffi.NULL)
         if status:
             cv.raise_status(status)
         return out_row
@@ -280,7 +280,7 @@ class LoraDelta:
             bad = ffi.new("int64_t *")
             # the C call checks every id before its first write, also at scale 0
             status = _lora_add_rows(self._ptr, self._scale._value * self._alpha_factor, n,
-                                    _from_buffer("int64_t[]", ids), op, ldo, bad)
+                                    _from_buffer("int64_t[]", ids), op, 0, ldo, bad)
             if status:
                 cv.raise_status(status, ids=ids, rows=self._rows, bad=bad)
         return out
@@ -393,8 +393,8 @@ class LoraStack:
             return cv.check_shapeless(x, out, ndim=1)
         rows, cols = self.base_shape
         x, xp, op = cv.prepare_vec(x, out, cols, rows)
-        status = _lora_apply_batch(1, self._first, self._ptrs, self._scales(), ffi.NULL, rows,
-                                   cols, 1, xp, cols, op, rows, ffi.NULL)
+        status = _lora_apply_batch(1, self._first, self._ptrs, self._scales(), ffi.NULL, ffi.NULL, 1,
+                                   rows, cols, 1, xp, 0, cols, op, 0, rows, ffi.NULL)
         if status:
             cv.raise_status(status)
         return out
@@ -406,8 +406,8 @@ class LoraStack:
         rows, cols = self.base_shape
         x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, cols, rows)
         if batch:
-            status = _lora_apply_batch(1, self._first, self._ptrs, self._scales(), ffi.NULL, rows,
-                                       cols, batch, xp, ldx, op, ldo, ffi.NULL)
+            status = _lora_apply_batch(1, self._first, self._ptrs, self._scales(), ffi.NULL, ffi.NULL,
+                                       1, rows, cols, batch, xp, 0, ldx, op, 0, ldo, ffi.NULL)
             if status:
                 cv.raise_status(status)
         return out
@@ -421,8 +421,8 @@ class LoraStack:
         r = cv.token_id(r, rows)
         op, _ = cv.check_out(out_row, (cols,), "out_row")
         ids = ffi.new("int64_t[1]", [r])
-        status = _lora_apply_rows(1, self._first, self._ptrs, self._scales(), ffi.NULL, rows, cols,
-                                  1, ids, op, cols, ffi.NULL)
+        status = _lora_apply_rows(1, self._first, self._ptrs, self._scales(), ffi.NULL, ffi.NULL, 1,
+                                  rows, cols, 1, ids, op, 0, cols, ffi.NULL)
         if status:
             cv.raise_status(status)
         return out_row
@@ -438,8 +438,9 @@ class LoraStack:
         ids = cv.as_ids(ids, "ids", n)
         if n:
             bad = ffi.new("int64_t *")
-            status = _lora_apply_rows(1, self._first, self._ptrs, self._scales(), ffi.NULL, rows,
-                                      cols, n, _from_buffer("int64_t[]", ids), op, ldo, bad)
+            status = _lora_apply_rows(1, self._first, self._ptrs, self._scales(), ffi.NULL,
+                                      ffi.NULL, 1, rows, cols, n, _from_buffer("int64_t[]", ids),
+                                      op, 0, ldo, bad)
             if status:
                 cv.raise_status(status, ids=ids, rows=rows, bad=bad)
         return out

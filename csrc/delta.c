@@ -1,0 +1,100 @@
+/*
+ * delta.c - a delta's packed storage: aligned allocation, packing of lora_a
+ * and lora_b^T into padded rows (layout in kernels.h), and export back.
+ */
+#include <stdlib.h>
+#include <string.h>
+#if defined(_WIN32)
+#include <malloc.h>
+#endif
+
+#include "internal.h"
+
+void *lora_aligned_alloc(size_t bytes) {
+    if (bytes == 0) bytes = LORA_ALIGN;
+#if defined(_WIN32)
+    return _aligned_malloc(bytes, LORA_ALIGN);
+#else
+    void *p = NULL;
+    return posix_memalign(&p, LORA_ALIGN, bytes) == 0 ? p : NULL;
+#endif
+}
+
+void lora_aligned_free(void *p) {
+#if defined(_WIN32)
+    _aligned_free(p);
+#else
+    free(p);
+#endif
+}
+
+static int64_t round_up_(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/* Row length of packed A / B^T: a multiple of LORA_PAD, nudged off multiples
+ * of 256 elements.  Rows 4 KiB apart (cols = 4096 in float32) all map to the
+ * same L1 set, and a project tile reads up to 8 such rows at once (the
+ * accumulate reads one row per rank index): the nudge spreads them over sets. */
+static int64_t packed_ld_(int64_t n) {
+    const int64_t ld = round_up_(n, LORA_PAD);
+    return ld % 256 == 0 ? ld + 16 : ld;
+}
+
+lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
+                           const void *b) {
+    if (dtype < LORA_DTYPE_F32 || dtype > LORA_DTYPE_BF16 || rank < 1 || rows < 1 || cols < 1)
+        return NULL;
+    /* every byte count below must fit: keep each factor under 2^40 and the
+     * products under 2^62 */
+    const int64_t lim = (int64_t)1 << 40;
+    if (rank > lim || rows > lim || cols > lim) return NULL;
+    const int64_t lda = packed_ld_(cols), ldb = packed_ld_(rows);
+    const size_t isz = lora_dtype_size(dtype);
+    if (rank > ((int64_t)1 << 62) / (lda > ldb ? lda : ldb) / 4) return NULL;
+    lora_delta *d = (lora_delta *)calloc(1, sizeof *d);
+    if (!d) return NULL;
+    d->dtype = dtype;
+    d->rank = rank, d->rows = rows, d->cols = cols, d->lda = lda, d->ldb = ldb;
+    d->a = lora_aligned_alloc((size_t)(rank * lda) * isz);
+    d->bt = lora_aligned_alloc((size_t)(rank * ldb) * isz);
+    if (!d->a || !d->bt) {
+        lora_delta_free(d);
+        return NULL;
+    }
+    memset(d->a, 0, (size_t)(rank * lda) * isz);
+    memset(d->bt, 0, (size_t)(rank * ldb) * isz);
+    for (int64_t k = 0; k < rank; k++)
+        memcpy((char *)d->a + (size_t)(k * lda) * isz, (const char *)a + (size_t)(k * cols) * isz,
+               (size_t)cols * isz);
+    /* B [rows, rank] -> B^T [rank, ldb]: one unit-stride row per rank index */
+    if (isz == 4) {
+        const uint32_t *src = (const uint32_t *)b;
+        uint32_t *dst = (uint32_t *)d->bt;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t k = 0; k < rank; k++) dst[k * ldb + i] = src[i * rank + k];
+    } else {
+        const uint16_t *src = (const uint16_t *)b;
+        uint16_t *dst = (uint16_t *)d->bt;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t k = 0; k < rank; k++) dst[k * ldb + i] = src[i * rank + k];
+    }
+    return d;
+}
+
+void lora_delta_free(lora_delta *d) {
+    if (!d) return;
+    lora_aligned_free(d->a);
+    lora_aligned_free(d->bt);
+    free(d);
+}
+
+void lora_delta_export(const lora_delta *d, void *a, void *b) {
+    const size_t isz = lora_dtype_size(d->dtype);
+    for (int64_t k = 0; k < d->rank; k++)
+        memcpy((char *)a + (size_t)(k * d->cols) * isz, (const char *)d->a + (size_t)(k * d->lda) * isz,
+               (size_t)d->cols * isz);
+    for (int64_t i = 0; i < d->rows; i++)
+        for (int64_t k = 0; k < d->rank; k++)
+            memcpy((char *)b + (size_t)(i * d->rank + k) * isz,
+                   (const char *)d->bt + (size_t)(k * d->ldb + i) * isz, isz);
+}
+
