@@ -1,16 +1,20 @@
-"""`LoraDelta` and `LoraStack`: the low-rank term s * B (A x), added in place.
+"""`LoraDelta` and `LoraStack`: the low-rank term s * B (A x), added in place, and the one C
+view of entries (a delta, a stack's members, a bank's slots) that stacks, banks and adapter sets
+share.
 
-Layouts (SPEC.md): lora_a = A [rank, cols], lora_b = B [rows, rank], a base W [rows, cols]
-(= [n_out, n_in]).  Every add_* method validates all of its inputs before the first write,
-makes one C call with the GIL released, and returns `out`.
+Layouts: lora_a = A [rank, cols], lora_b = B [rows, rank], a base W [rows, cols] (= [n_out,
+n_in]).  Every add_* method validates all of its inputs before the first write, makes one C call
+with the GIL released, and returns `out`.
 """
 
 import math
 import operator
+import weakref
 
 import numpy as np
 
-from . import _convert as cv
+from . import _arrays as A
+from . import _storage as S
 from ._lora_cffi import ffi, lib
 from .errors import LoraShapeError
 from .scale import LoraScale
@@ -19,13 +23,16 @@ __all__ = ["LoraDelta", "LoraStack"]
 
 _ndarray = np.ndarray
 _F32_MAX = float(np.finfo(np.float32).max)
-_F32 = cv.F32
+_F32 = A.F32
+_DT_F32 = A.DT_F32
 _from_buffer = ffi.from_buffer
+_NULL = ffi.NULL
 _lora_add = lib.lora_add
 _lora_add_batch = lib.lora_add_batch
 _lora_add_rows = lib.lora_add_rows
 _lora_apply_batch = lib.lora_apply_batch
 _lora_apply_rows = lib.lora_apply_rows
+_ERR_ALIGN = lib.LORA_ERR_ALIGN
 
 
 def alpha_factor(alpha, rank, rslora):
@@ -60,19 +67,27 @@ def _finite_scale(s):
     return s
 
 
-def _check_merge_target(w, rows, cols):
-    if not isinstance(w, np.ndarray):
-        raise TypeError(f"w must be a numpy.ndarray of float32 [{rows} x {cols}]; "
-                        f"got {type(w).__name__}")
-    if w.dtype != _F32:
-        raise TypeError(f"w must have dtype float32 (it is updated in place); got {w.dtype}")
-    if w.shape != (rows, cols):
-        raise ValueError(f"w must have shape ({rows}, {cols}) = [rows, cols]; got {w.shape}")
-    if not w.flags.writeable:
-        raise ValueError("w is read-only; it must be a writeable float32 array")
-    if not (w.flags.c_contiguous or w.T.flags.c_contiguous):
-        raise ValueError("w must be C-contiguous [rows, cols], or the transposed view of a "
-                         f"C-contiguous [cols, rows] array (fan_in_fan_out); got strides {w.strides}")
+def _pair_error(a, b, rank, rows, cols, base_shape):
+    """The LoraShapeError for a 2-D pair that does not fit: the fixed wording first, then both
+    shapes as given, the base's, and a hint when the two look swapped or transposed."""
+    err = LoraShapeError.for_pair(rows, cols, rank, a.size, b.size)
+    pair = f"got lora_a {a.shape} as [rank, cols] and lora_b {b.shape} as [rows, rank]"
+    hints = []
+    if base_shape is not None and a.ndim == 2 and b.ndim == 2 and a.shape[0] == b.shape[1]:
+        hints.append(f"the pair is [{b.shape[0]} x {a.shape[1]}] at rank {a.shape[0]}, the base "
+                     f"given is {tuple(base_shape)}")
+    elif base_shape is not None:
+        hints.append(f"the base given is {tuple(base_shape)}")
+    if a.ndim != 2 or b.ndim != 2:
+        hints.append("lora_a and lora_b must be 2-D (LoraDelta.from_flat takes flat buffers)")
+    elif a.shape[0] != b.shape[1]:
+        if a.shape[1] == b.shape[0]:
+            hints.append("lora_a and lora_b swapped? (lora_a is [rank, cols], lora_b "
+                         "[rows, rank])")
+        elif a.shape[1] == b.shape[1] or a.shape[0] == b.shape[0]:
+            hints.append("one factor transposed? (lora_a is [rank, cols], lora_b [rows, rank])")
+    return LoraShapeError(f"{err}; {pair}" + "".join(f"; {h}" for h in hints),
+                          rows=rows, cols=cols, rank=rank, a_len=a.size, b_len=b.size)
 
 
 def peft_delta(a, b, *, alpha, rslora=False, scale=1.0, dtype="float32"):
@@ -111,22 +126,17 @@ class LoraDelta:
 
     def __init__(self, a, b, *, alpha=0.0, scale=1.0, rslora=False, base_shape=None,
                  dtype="float32"):
-        a = cv.float_array(a, "lora_a")
-        b = cv.float_array(b, "lora_b")
+        a = A.float_array(a, "lora_a")
+        b = A.float_array(b, "lora_b")
         rank = a.shape[0] if a.ndim == 2 else 0
         cols = a.shape[1] if a.ndim == 2 else 0
         rows = b.shape[0] if b.ndim == 2 else 0
         if base_shape is not None:
-            rows, cols = _base_shape(base_shape)
-        if a.ndim != 2 or b.ndim != 2:
-            err = LoraShapeError.for_pair(rows, cols, rank, a.size, b.size)
-            raise LoraShapeError(
-                f"{err}; lora_a must be 2-D [rank, cols] and lora_b 2-D [rows, rank] (got shapes "
-                f"{a.shape} and {b.shape}; LoraDelta.from_flat takes flat buffers)",
-                rows=rows, cols=cols, rank=rank, a_len=a.size, b_len=b.size)
-        if (rank < 1 or rows < 1 or cols < 1
+            base_shape = _base_shape(base_shape)
+            rows, cols = base_shape
+        if (a.ndim != 2 or b.ndim != 2 or rank < 1 or rows < 1 or cols < 1
                 or a.shape != (rank, cols) or b.shape != (rows, rank)):
-            raise LoraShapeError.for_pair(rows, cols, rank, a.size, b.size)
+            raise _pair_error(a, b, rank, rows, cols, base_shape)
         self._init(a, b, rank, rows, cols, alpha, scale, rslora, dtype)
 
     @classmethod
@@ -137,8 +147,8 @@ class LoraDelta:
         the lengths do not match, or rank/rows/cols < 1."""
         rank, rows, cols = (_int_arg(v, n) for v, n in ((rank, "rank"), (rows, "rows"),
                                                          (cols, "cols")))
-        a = cv.float_array(a, "lora_a").reshape(-1)
-        b = cv.float_array(b, "lora_b").reshape(-1)
+        a = A.float_array(a, "lora_a").reshape(-1)
+        b = A.float_array(b, "lora_b").reshape(-1)
         if rank < 1 or rows < 1 or cols < 1 or a.size != rank * cols or b.size != rows * rank:
             raise LoraShapeError.for_pair(rows, cols, rank, a.size, b.size)
         self = cls.__new__(cls)
@@ -147,7 +157,7 @@ class LoraDelta:
         return self
 
     def _init(self, a, b, rank, rows, cols, alpha, scale, rslora, dtype):
-        name = cv.storage_name(dtype)
+        name = S.storage_name(dtype)
         if isinstance(alpha, (str, bytes, bool, np.bool_)):
             raise TypeError(f"alpha must be a real number; got {alpha!r}")
         if not isinstance(rslora, (bool, np.bool_)):
@@ -162,9 +172,9 @@ class LoraDelta:
             raise ValueError(f"alpha must be finite; got {alpha}")
         if not isinstance(scale, LoraScale):
             scale = LoraScale(scale)
-        a_bits = cv.to_storage(a, name, "lora_a")
-        b_bits = cv.to_storage(b, name, "lora_b")
-        ptr = lib.lora_delta_new(cv.STORAGE[name][0], rank, rows, cols, _from_buffer(a_bits),
+        a_bits = S.to_storage(a, name, "lora_a")
+        b_bits = S.to_storage(b, name, "lora_b")
+        ptr = lib.lora_delta_new(S.CODES[name], rank, rows, cols, _from_buffer(a_bits),
                                  _from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
@@ -188,49 +198,59 @@ class LoraDelta:
     @property
     def effective_scale(self):
         """``scale.value * alpha_factor``: the s of ``out += s * B (A x)`` right now."""
-        return self._scale._value * self._alpha_factor
+        return self._scale.value * self._alpha_factor
 
     @property
     def resident_bytes(self):
         """rank * (rows + cols) * itemsize of the storage dtype (logical; padding not counted)."""
-        return self._rank * (self._rows + self._cols) * (4 if self._dtype == "float32" else 2)
+        return self._rank * (self._rows + self._cols) * S.ITEMSIZE[self._dtype]
 
     def __repr__(self):
         return (f"LoraDelta(rank={self._rank}, rows={self._rows}, cols={self._cols}, "
-                f"alpha={self._alpha}, dtype={self._dtype!r}, scale={self._scale._value})")
+                f"alpha={self._alpha}, dtype={self._dtype!r}, scale={self._scale.value})")
 
     # ---------------------------------------------------------------- apply
     def add_to(self, x, out):
         """Decode: ``out[rows] += s * B (A x[cols])``; returns ``out``.
 
-        ``out``: writeable C-contiguous float32 ``[rows]`` (never copied).  ``x``: real float
-        ``[cols]``; float32 C-contiguous is used as is, anything else is converted (a copy).
-        Raises TypeError/ValueError naming expected vs actual; ``out`` is untouched on error.
+        ``out``: a writeable, C-contiguous ``[rows]`` NumPy array or CPU torch tensor of float32,
+        float16 or bfloat16, updated in place (a half-precision element is rounded once to
+        nearest even).  ``x``: any real float ``[cols]``; float32/float16/bfloat16 is read in
+        place, anything else converted to float32 (a copy).  Raises TypeError/ValueError naming
+        expected vs actual; ``out`` is untouched on error.
         """
         if (type(x) is _ndarray and type(out) is _ndarray and x.dtype is _F32
                 and out.dtype is _F32 and x.shape == self._xshape and out.shape == self._oshape):
-            try:
+            try:  # the common case: no conversion, no copy, no further check
                 xp = _from_buffer(x)
                 op = _from_buffer(out, require_writable=True)
+                xc = oc = _DT_F32
             except ValueError:
-                x, xp, op = cv.prepare_vec(x, out, self._cols, self._rows)
+                x, xp, xc, op, oc = self._vec_args(x, out)
         else:
-            x, xp, op = cv.prepare_vec(x, out, self._cols, self._rows)
+            x, xp, xc, op, oc = self._vec_args(x, out)
         # always one C call: it checks x/out overlap, then skips all arithmetic at scale 0
-        status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, 0, op, 0)
-        if status == lib.LORA_ERR_ALIGN:  # rare: a view at an odd byte offset; checks + copy
-            x, xp, op = cv.prepare_vec(x, out, self._cols, self._rows)
-            status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, 0, op, 0)
+        status = _lora_add(self._ptr, self._scale.value * self._alpha_factor, xp, xc, op, oc)
+        if status == _ERR_ALIGN:  # rare: a view at an odd byte offset; checks + copy
+            x, xp, xc, op, oc = self._vec_args(x, out)
+            status = _lora_add(self._ptr, self._scale.value * self._alpha_factor, xp, xc, op, oc)
         if status:
-            cv.raise_status(status)
+            A.raise_status(status)
         return out
 
-    def add_batch_to(self, x, out):
-        """Prefill: ``out[b] += s * B (A x[b])`` for every row b; returns ``out``.
+    def _vec_args(self, x, out):
+        op, oc, _, _ = A.check_out(out, self._oshape)
+        keep, xp, xc, _ = A.check_x(x, out, self._xshape)
+        return keep, xp, xc, op, oc
 
-        ``x``: real float ``[batch, cols]``; ``out``: writeable float32 ``[batch, rows]``, C-contiguous
-        or row-strided (``strides[-1] == 4``, e.g. ``qkv[:, :d]``), written in place.  Row b is
-        bit-identical to ``add_to(x[b], out[b])``.
+    def add_batch_to(self, x, out):
+        """Prefill: ``out[..., :] += s * B (A x[..., :])`` for every position; returns ``out``.
+
+        ``x``: real float ``[..., cols]``; ``out``: ``[..., rows]`` with the same leading axes
+        (``[batch, seq, hidden]`` is batch * seq positions), float32/float16/bfloat16, NumPy or a
+        CPU torch tensor, C-contiguous or row-strided (last axis contiguous, leading axes of one
+        stride, e.g. ``qkv[:, :d]``), written in place.  Each position is bit-identical to
+        ``add_to`` on it alone.
         """
         if (type(x) is _ndarray and type(out) is _ndarray and x.dtype is _F32
                 and out.dtype is _F32 and out.ndim == 2 and out.shape[1] == self._rows
@@ -238,19 +258,20 @@ class LoraDelta:
             try:  # C-contiguous float32 of the right shapes: no conversion, no copy
                 xp, ldx = _from_buffer(x), self._cols
                 op, ldo = _from_buffer(out, require_writable=True), self._rows
+                xc = oc = _DT_F32
                 batch = out.shape[0]
             except ValueError:
-                x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
+                x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
         else:
-            x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
+            x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
         if batch:
-            s = self._scale._value * self._alpha_factor
-            status = _lora_add_batch(self._ptr, s, batch, xp, 0, ldx, op, 0, ldo)
-            if status == lib.LORA_ERR_ALIGN:  # rare: a view at an odd byte offset
-                x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, self._cols, self._rows)
-                status = _lora_add_batch(self._ptr, s, batch, xp, 0, ldx, op, 0, ldo)
+            s = self._scale.value * self._alpha_factor
+            status = _lora_add_batch(self._ptr, s, batch, xp, xc, ldx, op, oc, ldo)
+            if status == _ERR_ALIGN:  # rare: a view at an odd byte offset
+                x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
+                status = _lora_add_batch(self._ptr, s, batch, xp, xc, ldx, op, oc, ldo)
             if status:
-                cv.raise_status(status)
+                A.raise_status(status)
         return out
 
     def add_row_to(self, r, out_row):
@@ -258,72 +279,368 @@ class LoraDelta:
 
         Raises TypeError for a non-integer id, IndexError for one out of range (no wrap-around).
         """
-        r = cv.token_id(r, self._rows)
-        op, _ = cv.check_out(out_row, self._xshape, "out_row")
+        r = A.token_id(r, self._rows)
+        op, oc, _, _ = A.check_out(out_row, self._xshape, "out_row")
         ids = ffi.new("int64_t[1]", [r])
-        status = _lora_add_rows(self._ptr, self._scale._value * self._alpha_factor, 1, ids, op,
-                                0, self._cols, ffi.NULL)
+        status = _lora_add_rows(self._ptr, self._scale.value * self._alpha_factor, 1, ids, op, oc,
+                                self._cols, _NULL)
         if status:
-            cv.raise_status(status)
+            A.raise_status(status)
         return out_row
 
     def add_rows_to(self, ids, out):
-        """A prompt's embedding deltas: ``out[i] += s * (B[ids[i]] @ A)``; returns ``out``.
+        """A prompt's embedding deltas: ``out[..., :] += s * (B[ids[...]] @ A)``; returns ``out``.
 
-        ``ids``: integer ``[n]`` (bool/float: TypeError; any id outside ``[0, rows)``: IndexError
-        naming it and its position, raised before anything is written); ``out``: float32
-        ``[n, cols]``, C-contiguous or row-strided.  Row i is bit-identical to ``add_row_to``.
+        ``ids``: integers of any shape (bool/float: TypeError; any id outside ``[0, rows)``:
+        IndexError naming it and its position, raised before anything is written); ``out``:
+        ``[*ids.shape, cols]``, float32/float16/bfloat16, C-contiguous or row-strided.  Each
+        row is bit-identical to ``add_row_to``.
         """
-        op, ldo, n = cv.check_rows_out(out, self._cols)
-        ids = cv.as_ids(ids, "ids", n)
+        tok, op, oc, ldo, n = rows_args(ids, out, self._cols)
         if n:
             bad = ffi.new("int64_t *")
             # the C call checks every id before its first write, also at scale 0
-            status = _lora_add_rows(self._ptr, self._scale._value * self._alpha_factor, n,
-                                    _from_buffer("int64_t[]", ids), op, 0, ldo, bad)
+            status = _lora_add_rows(self._ptr, self._scale.value * self._alpha_factor, n,
+                                    _from_buffer("int64_t[]", tok), op, oc, ldo, bad)
             if status:
-                cv.raise_status(status, ids=ids, rows=self._rows, bad=bad)
+                A.raise_status(status, ids=tok, rows=self._rows, bad=bad)
         return out
 
     # -------------------------------------------------------------- offline
-    def _export(self):
-        code, np_dtype = cv.STORAGE[self._dtype]
+    def lora_weights(self):
+        """(lora_a [rank, cols], lora_b [rows, rank]) as stored, in the storage dtype (copies)."""
         bits = np.float32 if self._dtype == "float32" else np.uint16
         a = np.empty((self._rank, self._cols), bits)
         b = np.empty((self._rows, self._rank), bits)
         lib.lora_delta_export(self._ptr, _from_buffer(a, require_writable=True),
                               _from_buffer(b, require_writable=True))
-        return a.view(np_dtype), b.view(np_dtype)
+        dt = S.np_dtype(self._dtype)
+        return a.view(dt), b.view(dt)
 
-    def lora_weights(self):
-        """(lora_a [rank, cols], lora_b [rows, rank]) as stored, in the storage dtype (copies)."""
-        return self._export()
-
-    def _delta64(self, s):
-        a, b = self._export()
-        return s * (b.astype(np.float64) @ a.astype(np.float64))
+    def _delta64(self, s, rows=slice(None)):
+        a, b = self.lora_weights()
+        return s * (b[rows].astype(np.float64) @ a.astype(np.float64))
 
     def delta_weight(self):
         """``s * B @ A`` as a new float32 ``[rows, cols]`` array (computed in float64 by NumPy)."""
         return self._delta64(_finite_scale(self.effective_scale)).astype(np.float32)
 
     def merge_into(self, w):
-        """``w += s * B @ A`` in place (w float32 ``[rows, cols]``: C-contiguous, or the transposed
-        view of a C-contiguous ``[cols, rows]`` array, as PEFT ``fan_in_fan_out`` bases are);
-        returns ``w``.  Scale 0 leaves ``w`` bit-identical.  Uses NumPy (not bit-guaranteed)."""
-        _check_merge_target(w, self._rows, self._cols)
-        s = _finite_scale(self.effective_scale)
-        if s != 0.0:
-            np.add(w, self._delta64(s), out=w, casting="same_kind")
-        return w
+        """``w += s * B @ A`` in place; returns ``w``.
+
+        ``w``: ``[rows, cols]`` float32, float16 or bfloat16, a NumPy array or a CPU torch tensor
+        (a ``Parameter`` that requires grad is fine: a merge is a weight update outside autograd,
+        as PEFT's merge is), C-contiguous or the transposed view of a C-contiguous
+        ``[cols, rows]`` array (PEFT ``fan_in_fan_out`` bases).  The sum is formed in float64
+        and rounded once to ``w``'s dtype; a result that would overflow that dtype is a
+        ValueError and ``w`` is left untouched.  Scale 0 leaves ``w`` bit-identical.  Uses
+        NumPy (not covered by the bitwise guarantee)."""
+        return merge_(w, [(self, 1.0)], self._rows, self._cols)
 
     def unmerge_from(self, w):
-        """``w -= s * B @ A`` in place; undoes ``merge_into`` within float32 rounding."""
-        _check_merge_target(w, self._rows, self._cols)
-        s = _finite_scale(self.effective_scale)
+        """``w -= s * B @ A`` in place; undoes ``merge_into`` within the rounding of ``w``'s dtype."""
+        return merge_(w, [(self, -1.0)], self._rows, self._cols)
+
+
+# ------------------------------------------------------------------ shared argument handling
+
+
+def batch_args(x, out, cols, rows):
+    """Checks for the batched linear methods: out [..., rows], x [..., cols] with the same leading
+    axes.  Returns (x keep-alive, x ptr, x code, ldx, out ptr, out code, ldo, positions, lead)."""
+    shape = A.batched_shape(out, rows, "out")
+    op, oc, n, ldo = A.check_out(out, shape, shown=f"(..., {rows})", batched=True)
+    lead = shape[:-1]
+    keep, xp, xc, ldx = A.check_x(x, out, lead + (cols,), batched=True, lead_of=shape)
+    return keep, xp, xc, ldx, op, oc, ldo, n, lead
+
+
+def rows_args(ids, out, cols):
+    """Checks for the gathers: ids of any shape (at least 1-D), out [*ids.shape, cols].  Returns
+    (int64 ids, out ptr, out code, ldo, positions)."""
+    if not (isinstance(out, _ndarray) or A.is_tensor(out)):
+        A.check_out(out, None, shown=f"(n, {cols})")  # always raises: not an array
+    tok = A.as_ids(ids, "ids", any_shape=True)
+    if tok.ndim == 0:
+        raise ValueError(f"ids must have at least one axis (a 0-d id is add_row_to's); got a "
+                         f"0-d array")
+    if len(out.shape) >= 1 and tuple(out.shape[:-1]) != tok.shape and tok.ndim == 1 \
+            and len(out.shape) == 2 and out.shape[-1] == cols:
+        raise ValueError(f"ids has {tok.shape[0]} ids; out has {out.shape[0]} positions")
+    op, oc, n, ldo = A.check_out(out, tok.shape + (cols,), shown=f"{tok.shape + (cols,)}",
+                                 batched=True)
+    return tok, op, oc, ldo, n
+
+
+def _w_array(w, rows, cols):
+    """A NumPy view of `w` (never a copy) with its dtype code, after the merge-target checks."""
+    if A.is_tensor(w):
+        A._check_tensor_place(w, "w")
+        code = A.torch_code(w)
+        if code is None:
+            raise TypeError(f"w must have dtype float32, float16 or bfloat16 (it is updated in "
+                            f"place); got {A.dtype_name(w)}")
+        shape, strides = tuple(w.shape), tuple(w.stride())
+        if shape != (rows, cols):
+            raise ValueError(f"w must have shape ({rows}, {cols}) = [rows, cols]; got {shape}")
+        if strides not in ((cols, 1), (1, rows)) and not (rows <= 1 or cols <= 1):
+            raise ValueError("w must be C-contiguous [rows, cols], or the transposed view of a "
+                             f"C-contiguous [cols, rows] array (fan_in_fan_out); got strides "
+                             f"{strides} (elements)")
+        size = w.element_size()
+        dt = {A.DT_F32: _F32, A.DT_F16: A.F16}.get(code) or S.bf16()
+        buf = ffi.buffer(ffi.cast("char *", w.data_ptr()), rows * cols * size)
+        flat = np.frombuffer(buf, dtype=dt)
+        if strides == (1, rows) and rows > 1 and cols > 1:
+            return flat.reshape(cols, rows).T, code
+        return flat.reshape(rows, cols), code
+    if not isinstance(w, _ndarray):
+        raise TypeError(f"w must be a numpy.ndarray or a CPU torch.Tensor of float32, float16 or "
+                        f"bfloat16 [{rows} x {cols}]; got {type(w).__name__}")
+    code = A.np_code(w.dtype)
+    if code is None:
+        raise TypeError(f"w must have dtype float32, float16 or bfloat16 (it is updated in "
+                        f"place); got {w.dtype}")
+    if w.shape != (rows, cols):
+        raise ValueError(f"w must have shape ({rows}, {cols}) = [rows, cols]; got {w.shape}")
+    if not w.flags.writeable:
+        raise ValueError("w is read-only; it must be a writeable array")
+    if not (w.flags.c_contiguous or w.T.flags.c_contiguous):
+        raise ValueError("w must be C-contiguous [rows, cols], or the transposed view of a "
+                         f"C-contiguous [cols, rows] array (fan_in_fan_out); got strides {w.strides}")
+    return w, code
+
+
+# rows of w merged per step: bounds the float64 temporaries (~8 MiB per 1024 columns)
+_MERGE_ROWS = 1024
+
+
+def merge_(w, terms, rows, cols):
+    """w += sum of sign * s * B @ A over (delta, sign) terms, in float64, rounded once to w's
+    dtype; every scale checked and the whole result checked for overflow before w is written."""
+    arr, code = _w_array(w, rows, cols)
+    live = []
+    for d, sign in terms:
+        s = _finite_scale(d.effective_scale)
         if s != 0.0:
-            np.subtract(w, self._delta64(s), out=w, casting="same_kind")
+            live.append((d, sign * s))
+    if not live:
         return w
+    name = {A.DT_F32: "float32", A.DT_F16: "float16", A.DT_BF16: "bfloat16"}[code]
+    result = np.empty((rows, cols), arr.dtype)
+    for r0 in range(0, rows, _MERGE_ROWS):
+        sl = slice(r0, min(rows, r0 + _MERGE_ROWS))
+        acc = arr[sl].astype(np.float64)
+        for d, s in live:
+            acc += d._delta64(s, sl)
+        try:
+            result[sl] = S.to_storage(acc, name, f"the merged weight (rows from {r0})").view(
+                arr.dtype)
+        except ValueError as exc:
+            raise ValueError(f"merging into w overflows its dtype; w is left untouched: {exc}") \
+                from None
+    arr[...] = result
+    return w
+
+
+# ------------------------------------------------------------------ entries: stacks and banks
+
+
+class EntryTable:
+    """The C view of a list of entries, each a `LoraDelta`, a `LoraStack` (its members applied in
+    order, in one fused pass) or None (nothing): the flat delta pointers, where each entry
+    starts, and the effective scales read once per call.  A `LoraStack` is a table of one
+    entry, a `LoraBank` one of many; adapter sets build theirs per target.
+
+    A stack that is appended to marks every table holding it stale; the table rebuilds its flat
+    view at its next call.  The scales array is rebuilt only when a `LoraScale` changed.
+    """
+
+    __slots__ = ("_entries", "_shape", "_stale", "deltas", "ptrs", "first", "_scale_objs",
+                 "_scale_idx", "_factors", "_values", "_scales_c", "__weakref__")
+
+    def __init__(self, entries, what="bank entry"):
+        self._entries = list(entries)
+        self._shape = None
+        shape_from = None
+        for i, e in enumerate(self._entries):
+            if e is not None and not isinstance(e, (LoraDelta, LoraStack)):
+                raise TypeError(f"{what} {i} must be a LoraDelta, a LoraStack or None; "
+                                f"got {type(e).__name__}")
+            es = e.base_shape if e is not None else None
+            if es is None:
+                continue
+            if self._shape is None:
+                self._shape, shape_from = es, i
+            elif es != self._shape:
+                raise LoraShapeError(
+                    f"{what} {i} is [{es[0]} x {es[1]}] but {what} {shape_from} is "
+                    f"[{self._shape[0]} x {self._shape[1]}]; every entry must fit one base",
+                    rows=es[0], cols=es[1])
+        for e in self._entries:
+            if isinstance(e, LoraStack):
+                e._owners.add(self)
+        self._stale = True
+        self._rebuild()
+
+    def _rebuild(self):
+        deltas, first = [], [0]
+        for i, e in enumerate(self._entries):
+            members = [] if e is None else ([e] if isinstance(e, LoraDelta) else e._deltas)
+            for d in members:
+                if self._shape is None:
+                    self._shape = d.base_shape
+                if d.base_shape != self._shape:
+                    raise LoraShapeError(
+                        f"entry {i} now holds a [{d._rows} x {d._cols}] delta but the base is "
+                        f"[{self._shape[0]} x {self._shape[1]}]", rows=d._rows, cols=d._cols)
+            deltas += members
+            first.append(len(deltas))
+        scale_ids = {}
+        self._scale_objs, self._scale_idx = [], []
+        for d in deltas:
+            k = scale_ids.get(id(d._scale))
+            if k is None:
+                k = scale_ids[id(d._scale)] = len(self._scale_objs)
+                self._scale_objs.append(d._scale)
+            self._scale_idx.append(k)
+        self._factors = [d._alpha_factor for d in deltas]
+        self.deltas = deltas
+        self.ptrs = ffi.new("lora_delta *[]", [d._ptr for d in deltas])
+        self.first = ffi.new("int64_t[]", first)
+        self._values = None
+        self._stale = False
+
+    @property
+    def base_shape(self):
+        if self._stale:
+            self._rebuild()
+        return self._shape
+
+    @property
+    def n_entries(self):
+        return len(self._entries)
+
+    def scales(self):
+        """double[] of each delta's effective scale; each distinct LoraScale read once."""
+        values = [s.value for s in self._scale_objs]
+        if values != self._values:
+            idx, factors = self._scale_idx, self._factors
+            self._scales_c = ffi.new("double[]", [values[k] * f for k, f in zip(idx, factors)])
+            self._values = values
+        return self._scales_c
+
+    def resident_bytes(self):
+        if self._stale:
+            self._rebuild()
+        return sum(d.resident_bytes for d in {id(d): d for d in self.deltas}.values())
+
+    def apply_batch(self, x, out, adapter_ids=None, scales=None):
+        """The batched linear add for these entries: position b uses entry adapter_ids[b]
+        (None: entry 0 everywhere), its scales times scales[b] (None: 1).  Returns out."""
+        if self._stale:
+            self._rebuild()
+        shape = self._shape
+        if shape is None:  # no entry holds a delta: no rows/cols to check against
+            return self._shapeless_batch(x, out, adapter_ids, scales)
+        rows, cols = shape
+        x, xp, xc, ldx, op, oc, ldo, n, lead = batch_args(x, out, cols, rows)
+        ids, idp, pos, posp, every = self._ids(adapter_ids, scales, lead)
+        if n:
+            bad = ffi.new("int64_t *")
+            status = _lora_apply_batch(len(self._entries), self.first, self.ptrs, self.scales(),
+                                       idp, posp, every, rows, cols, n, xp, xc, ldx, op, oc, ldo,
+                                       bad)
+            if status:
+                self._raise(status, ids, pos, bad=bad)
+        return out
+
+    def apply_rows(self, tok_ids, out, adapter_ids=None, scales=None):
+        """The embedding-row gather for these entries; as apply_batch."""
+        if self._stale:
+            self._rebuild()
+        shape = self._shape
+        if shape is None:
+            return self._shapeless_rows(tok_ids, out, adapter_ids, scales)
+        rows, cols = shape
+        tok, op, oc, ldo, n = rows_args(tok_ids, out, cols)
+        ids, idp, pos, posp, every = self._ids(adapter_ids, scales, tok.shape)
+        if n:
+            bad = ffi.new("int64_t *")
+            status = _lora_apply_rows(len(self._entries), self.first, self.ptrs, self.scales(),
+                                      idp, posp, every, rows, cols, n,
+                                      _from_buffer("int64_t[]", tok), op, oc, ldo, bad)
+            if status:
+                self._raise(status, ids, pos, tok=tok, bad=bad)
+        return out
+
+    def _ids(self, adapter_ids, scales, lead):
+        """(ids, ids ptr, scales, scales ptr, positions per id) for a call with leading axes
+        `lead`; ids and scales of the leading shape or a prefix of it."""
+        if adapter_ids is None:
+            return None, _NULL, None, _NULL, 1
+        ids = A.as_ids(adapter_ids, "adapter_ids", any_shape=True)
+        if len(lead) == 1 and ids.ndim == 1 and ids.shape[0] != lead[0]:
+            raise ValueError(f"adapter_ids has {ids.shape[0]} ids; out has {lead[0]} positions")
+        every = A.per_id_shape(ids, lead, "adapter_ids")
+        if scales is None:
+            return ids, _from_buffer("int64_t[]", ids), None, _NULL, every
+        pos = A.as_scales(scales)
+        if pos.shape != ids.shape:
+            raise ValueError(f"scales must have the shape of adapter_ids, {ids.shape}; got "
+                             f"{pos.shape}")
+        return ids, _from_buffer("int64_t[]", ids), pos, _from_buffer("double[]", pos), every
+
+    def _raise(self, status, ids, pos, tok=None, bad=None):
+        rows = self._shape[0] if self._shape else 0
+        A.raise_status(status, ids=tok, adapter_ids=ids, n_entries=len(self._entries), rows=rows,
+                       bad=bad, scales=pos)
+
+    def _check_ids_only(self, adapter_ids, scales, lead):
+        ids, _, pos, _, _ = self._ids(adapter_ids, scales, lead)
+        if ids is None:
+            return
+        flat = ids.reshape(-1)
+        wrong = np.flatnonzero((flat < -1) | (flat >= len(self._entries)))
+        if wrong.size:
+            self._raise(lib.LORA_ERR_ADAPTER, ids, pos, bad=ffi.new("int64_t *", int(wrong[0])))
+
+    def _shapeless_batch(self, x, out, adapter_ids, scales):
+        """The checks entries without any delta can still make (rows/cols unknown): out a
+        writeable float array of at least 2 dims, x of the same leading axes, not overlapping,
+        the ids and scales."""
+        if not (isinstance(out, _ndarray) or A.is_tensor(out)) or len(out.shape) < 2:
+            A.batched_shape(out, "rows", "out")  # raises
+        shape = tuple(out.shape)
+        A.check_out(out, shape, batched=True)
+        xa = x if A.is_tensor(x) else A.float_array(x, "x")
+        if tuple(xa.shape[:-1]) != shape[:-1] or len(xa.shape) != len(shape):
+            raise ValueError(f"x must have shape {shape[:-1] + ('cols',)} to match out "
+                             f"{shape}; got {tuple(xa.shape)}")
+        if A.is_tensor(xa):
+            A._check_tensor_place(xa, "x")
+            if not xa.dtype.is_floating_point:
+                raise TypeError(f"x must be a real floating array; got dtype {A.dtype_name(xa)}")
+        A.no_overlap(xa, out)
+        self._check_ids_only(adapter_ids, scales, shape[:-1])
+        return out
+
+    def _shapeless_rows(self, tok_ids, out, adapter_ids, scales):
+        if not (isinstance(out, _ndarray) or A.is_tensor(out)) or len(out.shape) < 2:
+            A.batched_shape(out, "cols", "out")  # raises
+        shape = tuple(out.shape)
+        A.check_out(out, shape, batched=True)
+        tok = A.as_ids(tok_ids, "ids", any_shape=True)
+        if tok.shape != shape[:-1]:
+            if tok.ndim == 1 and len(shape) == 2:
+                raise ValueError(f"ids has {tok.shape[0]} ids; out has {shape[0]} positions")
+            raise ValueError(f"out must have shape {tok.shape + ('cols',)}; got {shape}")
+        if tok.size and tok.min() < 0:
+            pos = int(np.argmax(tok.reshape(-1) < 0))
+            raise IndexError(f"token id {int(tok.reshape(-1)[pos])} at position "
+                             f"{A._where(tok, pos)} is out of range")
+        self._check_ids_only(adapter_ids, scales, tok.shape)
+        return out
 
 
 class LoraStack:
@@ -331,16 +648,21 @@ class LoraStack:
 
     ``LoraStack(deltas=())``; ``.append(d)``; ``len``, iteration, ``stack[i]`` (the very objects
     stored); ``.resident_bytes``; the four ``add_*`` methods of ``LoraDelta``, bit-identical to
-    applying the deltas one after another in order (one C call).  A delta whose effective scale
-    is 0 is skipped; an empty stack adds nothing.  A delta of another shape: ``LoraShapeError``.
+    applying the deltas one after another in order to a float32 ``out`` (one fused C pass: ``x``
+    read once per block, ``out`` written once); a half-precision ``out`` gets the float32 result
+    rounded once, not once per delta.  A delta whose effective scale is 0 is skipped; an empty
+    stack adds nothing.  A delta of another shape: ``LoraShapeError``.
     """
+
+    __slots__ = ("_deltas", "_owners", "_table", "__weakref__")
 
     def __init__(self, deltas=()):
         self._deltas = []
-        self._ptrs = ffi.new("lora_delta *[]", 0)
-        self._version = 0
+        self._owners = weakref.WeakSet()  # tables holding this stack: made stale on append
+        self._table = None
         for d in deltas:
             self.append(d)
+        self._table = EntryTable([self], "stack")
 
     def append(self, delta):
         """Add ``delta`` at the end; raises TypeError for a non-LoraDelta, LoraShapeError when its
@@ -352,11 +674,9 @@ class LoraStack:
             raise LoraShapeError(
                 f"delta {len(self._deltas)} is [{delta.rows} x {delta.cols}] but the stack's "
                 f"deltas are [{r} x {c}]", rows=delta.rows, cols=delta.cols, rank=delta.rank)
-        deltas = self._deltas + [delta]
-        self._ptrs = ffi.new("lora_delta *[]", [d._ptr for d in deltas])
-        self._first = ffi.new("int64_t[2]", [0, len(deltas)])
-        self._deltas = deltas
-        self._version += 1
+        self._deltas = self._deltas + [delta]
+        for table in list(self._owners):
+            table._stale = True
 
     def __len__(self):
         return len(self._deltas)
@@ -383,67 +703,48 @@ class LoraStack:
         """Sum of the distinct deltas' resident_bytes."""
         return sum(d.resident_bytes for d in {id(d): d for d in self._deltas}.values())
 
-    def _scales(self):
-        return cv.effective_scales(self._deltas)
-
-
     def add_to(self, x, out):
         """Decode: ``out[rows] += sum_i s_i * B_i (A_i x[cols])``, deltas in order; returns ``out``."""
         if not self._deltas:
-            return cv.check_shapeless(x, out, ndim=1)
+            return _shapeless_vec(x, out)
         rows, cols = self.base_shape
-        x, xp, op = cv.prepare_vec(x, out, cols, rows)
-        status = _lora_apply_batch(1, self._first, self._ptrs, self._scales(), ffi.NULL, ffi.NULL, 1,
-                                   rows, cols, 1, xp, 0, cols, op, 0, rows, ffi.NULL)
+        op, oc, _, _ = A.check_out(out, (rows,))
+        keep, xp, xc, _ = A.check_x(x, out, (cols,))
+        t = self._table
+        if t._stale:
+            t._rebuild()
+        status = _lora_apply_batch(1, t.first, t.ptrs, t.scales(), _NULL, _NULL, 1, rows, cols, 1,
+                                   xp, xc, cols, op, oc, rows, _NULL)
         if status:
-            cv.raise_status(status)
+            A.raise_status(status)
         return out
 
     def add_batch_to(self, x, out):
-        """Prefill: ``out[b] += sum_i s_i * B_i (A_i x[b])``; as ``LoraDelta.add_batch_to``."""
-        if not self._deltas:
-            return cv.check_shapeless(x, out, ndim=2)
-        rows, cols = self.base_shape
-        x, xp, ldx, op, ldo, batch = cv.prepare_mat(x, out, cols, rows)
-        if batch:
-            status = _lora_apply_batch(1, self._first, self._ptrs, self._scales(), ffi.NULL, ffi.NULL,
-                                       1, rows, cols, batch, xp, 0, ldx, op, 0, ldo, ffi.NULL)
-            if status:
-                cv.raise_status(status)
-        return out
+        """Prefill: ``out[..., :] += sum_i s_i * B_i (A_i x[..., :])``; as ``LoraDelta.add_batch_to``."""
+        return self._table.apply_batch(x, out)
 
     def add_row_to(self, r, out_row):
         """Token embedding: ``out_row += sum_i s_i * (B_i[r] @ A_i)``; as ``LoraDelta.add_row_to``."""
         if not self._deltas:
-            cv.token_id(r, None)
-            return cv.check_shapeless(cv._NO_X, out_row, ndim=1, what="out_row")
+            A.token_id(r, None)
+            return _shapeless_vec(_NO_X, out_row, "out_row")
         rows, cols = self.base_shape
-        r = cv.token_id(r, rows)
-        op, _ = cv.check_out(out_row, (cols,), "out_row")
+        r = A.token_id(r, rows)
+        op, oc, _, _ = A.check_out(out_row, (cols,), "out_row")
+        t = self._table
+        if t._stale:
+            t._rebuild()
         ids = ffi.new("int64_t[1]", [r])
-        status = _lora_apply_rows(1, self._first, self._ptrs, self._scales(), ffi.NULL, ffi.NULL, 1,
-                                  rows, cols, 1, ids, op, 0, cols, ffi.NULL)
+        status = _lora_apply_rows(1, t.first, t.ptrs, t.scales(), _NULL, _NULL, 1, rows, cols, 1,
+                                  ids, op, oc, cols, _NULL)
         if status:
-            cv.raise_status(status)
+            A.raise_status(status)
         return out_row
 
     def add_rows_to(self, ids, out):
-        """Embedding rows: ``out[i] += sum_k s_k * (B_k[ids[i]] @ A_k)``; as ``LoraDelta.add_rows_to``."""
-        if not self._deltas:
-            cv.check_shapeless(cv._NO_X, out, ndim=2)
-            cv.check_shapeless_token_ids(ids, out.shape[0])
-            return out
-        rows, cols = self.base_shape
-        op, ldo, n = cv.check_rows_out(out, cols)
-        ids = cv.as_ids(ids, "ids", n)
-        if n:
-            bad = ffi.new("int64_t *")
-            status = _lora_apply_rows(1, self._first, self._ptrs, self._scales(), ffi.NULL,
-                                      ffi.NULL, 1, rows, cols, n, _from_buffer("int64_t[]", ids),
-                                      op, 0, ldo, bad)
-            if status:
-                cv.raise_status(status, ids=ids, rows=rows, bad=bad)
-        return out
+        """Embedding rows: ``out[..., :] += sum_k s_k * (B_k[ids[...]] @ A_k)``; as
+        ``LoraDelta.add_rows_to``."""
+        return self._table.apply_rows(ids, out)
 
     def delta_weight(self):
         """``sum_i s_i * B_i @ A_i`` as float32 ``[rows, cols]`` (NumPy, float64 accumulation)."""
@@ -453,17 +754,42 @@ class LoraStack:
         return np.asarray(total, dtype=np.float32)
 
     def merge_into(self, w):
-        """Each delta's ``merge_into(w)``, in order; returns ``w``."""
+        """``w += sum_i s_i * B_i @ A_i`` in place, the sum formed in float64 and rounded once to
+        ``w``'s dtype (as ``LoraDelta.merge_into``); returns ``w``."""
         if not self._deltas:
-            return cv.check_shapeless(cv._NO_X, w, ndim=2, what="w")
-        for d in self._deltas:
-            d.merge_into(w)
-        return w
+            return _shapeless_w(w)
+        return merge_(w, [(d, 1.0) for d in self._deltas], *self.base_shape)
 
     def unmerge_from(self, w):
-        """Each delta's ``unmerge_from(w)``, in reverse order; returns ``w``."""
+        """``w -= sum_i s_i * B_i @ A_i`` in place; undoes ``merge_into`` within the rounding of
+        ``w``'s dtype."""
         if not self._deltas:
-            return cv.check_shapeless(cv._NO_X, w, ndim=2, what="w")
-        for d in reversed(self._deltas):
-            d.unmerge_from(w)
-        return w
+            return _shapeless_w(w)
+        return merge_(w, [(d, -1.0) for d in self._deltas], *self.base_shape)
+
+
+_NO_X = object()
+
+
+def _shapeless_vec(x, out, what="out"):
+    """The checks an empty stack can still make for add_to / add_row_to: out a writeable 1-D
+    float array (of any length), x (unless None) real float 1-D, not overlapping out."""
+    if (isinstance(out, _ndarray) or A.is_tensor(out)) and len(out.shape) != 1:
+        raise ValueError(f"{what} must be 1-D; got shape {tuple(out.shape)}")
+    shape = tuple(getattr(out, "shape", ()))
+    A.check_out(out, shape, what, shown="(n,)")
+    if x is not _NO_X:
+        xa = x if A.is_tensor(x) else A.float_array(x, "x")
+        if len(xa.shape) != 1:
+            raise ValueError(f"x must have shape [cols] to match {what} {shape}; got "
+                             f"{tuple(xa.shape)}")
+        A.no_overlap(xa, out)
+    return out
+
+
+def _shapeless_w(w):
+    if (isinstance(w, _ndarray) or A.is_tensor(w)) and len(w.shape) != 2:
+        raise ValueError(f"w must be 2-D; got shape {tuple(w.shape)}")
+    shape = tuple(getattr(w, "shape", ()))
+    _w_array(w, *shape) if len(shape) == 2 else _w_array(w, 0, 0)
+    return w

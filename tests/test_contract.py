@@ -87,9 +87,10 @@ def ops(kind, obj):
 def test_out_wrong_dtype(target):
     kind, obj = target
     for name, (call, arg, shape) in ops(kind, obj).items():
-        for bad in (np.float64, np.float16, np.int32, ">f4"):
+        for bad in (np.float64, np.int32, ">f4", ">f2"):  # float16/bfloat16 are outputs too
             out = np.zeros(shape, bad)
-            rejects(TypeError, ["float32", str(out.dtype)], lambda: call(arg, out), out)
+            rejects(TypeError, ["float32", "float16", "bfloat16", str(out.dtype)],
+                    lambda: call(arg, out), out)
 
 
 def test_out_wrong_shape(target):
@@ -378,13 +379,36 @@ def test_shape_error_exact_message():
     assert isinstance(e, ValueError)
 
 
+def test_shape_error_names_both_shapes_and_the_base():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((4, 53)), rng.standard_normal((37, 4))
+    # a 37 x 53 pair against a 37 x 54 base: the pair's 53 and the base's 54 are both named
+    with pytest.raises(lora.LoraShapeError) as info:
+        lora.LoraDelta(a, b, base_shape=(37, 54))
+    msg = str(info.value)
+    assert msg.startswith("LoRA pair does not fit a [37 x 54] base at rank 4: ")
+    assert "[37 x 53] at rank 4" in msg and "(37, 54)" in msg
+    # B passed for A (and A for B): both shapes shown, and the likely mistake named
+    with pytest.raises(lora.LoraShapeError) as info:
+        lora.LoraDelta(b, a)
+    msg = str(info.value)
+    assert "(37, 4)" in msg and "(4, 53)" in msg and "swapped?" in msg
+    # a 3-D lora_a: its shape is shown
+    with pytest.raises(lora.LoraShapeError) as info:
+        lora.LoraDelta(a.reshape(4, 53, 1), b)
+    assert "(4, 53, 1)" in str(info.value) and "2-D" in str(info.value)
+
+
 def test_shape_error_two_d_constructor():
     with pytest.raises(lora.LoraShapeError) as info:
         lora.LoraDelta(np.zeros((2, 4)), np.zeros((3, 3)))
     e = info.value
     assert (e.rows, e.cols, e.rank, e.a_len, e.b_len) == (3, 4, 2, 8, 9)
-    assert str(e) == ("LoRA pair does not fit a [3 x 4] base at rank 2: lora_a has 8 values "
-                      "(want rank x cols = 8), lora_b has 9 values (want rows x rank = 6)")
+    # the fixed wording stays the message's prefix; the shapes given follow it
+    assert str(e).startswith("LoRA pair does not fit a [3 x 4] base at rank 2: lora_a has 8 "
+                             "values (want rank x cols = 8), lora_b has 9 values (want rows x "
+                             "rank = 6)")
+    assert "(2, 4)" in str(e) and "(3, 3)" in str(e)
     # base_shape is checked when given
     with pytest.raises(lora.LoraShapeError) as info:
         lora.LoraDelta(np.zeros((2, 4)), np.zeros((3, 2)), base_shape=(3, 5))

@@ -1,0 +1,438 @@
+"""What the apply methods accept, checked before the first write: activations `x`, outputs `out`
+and merge targets `w` (NumPy arrays or CPU torch tensors, float32 / float16 / bfloat16), token
+ids, adapter ids and per-position scales.
+
+Each array becomes a C pointer, a dtype code (the LORA_DTYPE_* of csrc/lora.h) and, for the
+batched methods, the number of positions and the leading dimension: the leading axes of
+``[..., n]`` must collapse to one axis with one stride (as NumPy's flags judge it: size-1 axes
+ignored) and the last axis must be contiguous.  An `x` that does not fit is converted to a
+float32 copy; an `out` that does not fit is refused, never written through a hidden copy.
+
+torch is never imported here: a tensor is recognised only when the caller's process already
+imported torch (``sys.modules``).
+"""
+
+import operator
+import sys
+
+import numpy as np
+
+from ._lora_cffi import ffi, lib
+
+F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
+I64 = np.dtype(np.int64)
+I64_MAX = np.iinfo(np.int64).max
+DT_F32, DT_F16, DT_BF16 = lib.LORA_DTYPE_F32, lib.LORA_DTYPE_F16, lib.LORA_DTYPE_BF16
+_NP_CODES = {F32: DT_F32, F16: DT_F16}
+_ITEMSIZE = {DT_F32: 4, DT_F16: 2, DT_BF16: 2}
+_TORCH_CODES = None  # {torch.float32: DT_F32, ...}, filled at the first tensor
+
+
+def is_bf16(dt):
+    """True for ml_dtypes' bfloat16, recognised by name so that ml_dtypes need not be imported."""
+    return dt.name == "bfloat16" and dt.itemsize == 2
+
+
+def np_code(dt):
+    """The dtype code of a native float32/float16/bfloat16 NumPy dtype, else None."""
+    code = _NP_CODES.get(dt)
+    if code is None and is_bf16(dt):
+        return DT_BF16
+    return code if dt.isnative else None
+
+
+def is_float_dtype(dt):
+    return dt.kind == "f" or is_bf16(dt)
+
+
+def torch_module():
+    """torch, if this process imported it (never imported here)."""
+    return sys.modules.get("torch")
+
+
+def is_tensor(obj):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def torch_code(t):
+    global _TORCH_CODES
+    if _TORCH_CODES is None:
+        torch = torch_module()
+        _TORCH_CODES = {torch.float32: DT_F32, torch.float16: DT_F16, torch.bfloat16: DT_BF16}
+    return _TORCH_CODES.get(t.dtype)
+
+
+def _check_tensor_place(t, what):
+    """A CPU, strided (dense) tensor; TypeError naming the device or layout otherwise."""
+    if not t.is_cpu:
+        raise TypeError(f"{what} is a torch tensor on device {str(t.device)!r}; lora-kernels "
+                        f"computes on the CPU: pass a tensor on device 'cpu'")
+    if t.layout != torch_module().strided:
+        raise TypeError(f"{what} is a torch tensor with layout {t.layout}; a dense (strided) "
+                        f"tensor is needed")
+
+
+def kind_name(obj):
+    return "torch.Tensor" if is_tensor(obj) else type(obj).__name__
+
+
+def dtype_name(obj):
+    return str(obj.dtype).replace("torch.", "") if is_tensor(obj) else str(obj.dtype)
+
+
+# ------------------------------------------------------------------ layout
+
+
+def collapse(shape, strides):
+    """(n, ld) for the leading axes shape[:-1] with element strides: n positions ld elements
+    apart, or None when they do not collapse to one stride.  ld is shape[-1] when no leading
+    axis has more than one element."""
+    n, ld, expect = 1, None, None
+    for size, stride in zip(reversed(shape[:-1]), reversed(strides[:-1])):
+        if size == 1:
+            continue
+        if expect is not None and stride != expect:
+            return None
+        if ld is None:
+            ld = stride
+        expect = stride * size
+        n *= size
+    if n == 0:
+        return 0, shape[-1]
+    return n, (ld if ld is not None else shape[-1])
+
+
+def _layout(shape, strides):
+    """(n, ld) when the last axis is contiguous and the leading axes collapse into rows that do
+    not overlap; else None."""
+    last = shape[-1]
+    if 0 in shape:  # nothing is read or written: any strides will do
+        n = 1
+        for size in shape[:-1]:
+            n *= size
+        return n, last
+    if last > 1 and strides[-1] != 1:
+        return None
+    got = collapse(shape, strides)
+    if got is None or (got[0] > 1 and got[1] < last):
+        return None
+    return got
+
+
+def _np_strides(arr):
+    size = arr.itemsize
+    if any(s % size for s in arr.strides):
+        return None
+    return tuple(s // size for s in arr.strides)
+
+
+def _extent(ptr, shape, strides, itemsize):
+    """[lo, hi) bytes an array with these element strides spans (empty: None)."""
+    if any(s == 0 for s in shape):
+        return None
+    lo = hi = ptr
+    for size, stride in zip(shape, strides):
+        span = (size - 1) * stride * itemsize
+        if span < 0:
+            lo += span
+        else:
+            hi += span
+    return lo, hi + itemsize
+
+
+def _info(obj):
+    """(pointer int, shape, element strides or None, itemsize) of an ndarray or tensor."""
+    if isinstance(obj, np.ndarray):
+        return obj.__array_interface__["data"][0], obj.shape, _np_strides(obj), obj.itemsize
+    return obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), obj.element_size()
+
+
+def overlap(a, b):
+    """True when the address ranges of arrays/tensors a and b intersect."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    pa, sa, ta, ia = _info(a)
+    pb, sb, tb, ib = _info(b)
+    if ta is None or tb is None:  # odd byte strides: fall back on the whole buffers
+        return True
+    ea, eb = _extent(pa, sa, ta, ia), _extent(pb, sb, tb, ib)
+    return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]
+
+
+def no_overlap(x, out):
+    if (isinstance(x, np.ndarray) or is_tensor(x)) and overlap(x, out):
+        raise ValueError("x and out overlap in memory; out must not alias x")
+
+
+# ------------------------------------------------------------------- outputs
+
+
+_OUT_KINDS = "float32, float16 or bfloat16"
+
+
+def check_out(out, shape, what="out", shown=None, *, batched=False):
+    """`out` must be a writeable NumPy array or CPU torch tensor of dtype float32, float16 or
+    bfloat16, of exactly `shape` (when `batched`, `shape` is the wanted full shape and may have
+    any leading axes that collapse to one stride), its last axis contiguous.
+
+    `shown` is how messages write the wanted shape.  Returns (pointer, code, n, ld): the
+    positions (1 when not batched) and their distance in elements.
+    """
+    want = shown or shape
+    tensor = False
+    if isinstance(out, np.ndarray):
+        code = np_code(out.dtype)
+        if code is None:
+            raise TypeError(f"{what} must have dtype {_OUT_KINDS} (it is updated in place, never "
+                            f"through a copy); got {out.dtype}")
+    elif is_tensor(out):
+        tensor = True
+        _check_tensor_place(out, what)
+        code = torch_code(out)
+        if code is None:
+            raise TypeError(f"{what} must have dtype {_OUT_KINDS} (it is updated in place, never "
+                            f"through a copy); got {dtype_name(out)}")
+    else:
+        raise TypeError(f"{what} must be a numpy.ndarray or a CPU torch.Tensor of {_OUT_KINDS} "
+                        f"with shape {want}; got {type(out).__name__}")
+    oshape = tuple(out.shape)
+    if oshape != shape:
+        raise ValueError(f"{what} must have shape {want}; got {oshape}")
+    if tensor:
+        if out.requires_grad:
+            raise ValueError(f"{what} requires grad: an in-place write into it would not be seen "
+                             f"by autograd; pass a tensor that does not require grad (e.g. under "
+                             f"torch.no_grad(), or .detach())")
+        ptr, strides, size = out.data_ptr(), tuple(out.stride()), out.element_size()
+    else:
+        if not out.flags.writeable:
+            raise ValueError(f"{what} is read-only; it must be a writeable array")
+        ptr, strides, size = out.__array_interface__["data"][0], _np_strides(out), out.itemsize
+        if not out.flags.aligned:
+            strides = None
+    if ptr % size or strides is None:
+        raise ValueError(f"{what} is not aligned to its item size ({size} bytes; a view at an "
+                         f"odd byte offset); it must be an aligned array")
+    if not batched:
+        if len(shape) == 1 and (shape[0] <= 1 or strides[0] == 1):
+            return ffi.cast("void *", ptr), code, 1, shape[0]
+        raise ValueError(f"{what} must be C-contiguous; got strides "
+                         f"{out.strides if not tensor else strides}")
+    layout = _layout(shape, strides)
+    if layout is None:
+        shown_strides = out.strides if not tensor else strides
+        unit = "bytes" if not tensor else "elements"
+        raise ValueError(
+            f"{what} must be C-contiguous or a row-strided view whose last axis is contiguous "
+            f"(strides[-1] == {size if not tensor else 1} {unit}) and whose leading axes "
+            f"collapse to one stride of at least one row; got strides {shown_strides}")
+    return ffi.cast("void *", ptr), code, layout[0], layout[1]
+
+
+def batched_shape(out, last, what, lead=None):
+    """The shape `out` must have for a batched method: its own leading axes (or `lead`) and
+    `last`.  Raises for an `out` that is not an array of at least 2 dimensions."""
+    ndim = out.ndim if isinstance(out, np.ndarray) or is_tensor(out) else None
+    if ndim is None:
+        check_out(out, None, what, shown=f"(..., {last})")  # always raises: not an array
+    if ndim < 2:
+        raise ValueError(f"{what} must have shape (batch, ..., {last}) with at least one leading "
+                         f"axis; got {tuple(out.shape)}")
+    shape = tuple(out.shape)
+    return (lead if lead is not None else shape[:-1]) + (last,)
+
+
+# ------------------------------------------------------------------- inputs
+
+
+def float_array(value, what):
+    """np.asarray(value), which must have a real floating dtype (else TypeError); a CPU torch
+    tensor is viewed, not copied (bfloat16 through its bits)."""
+    if is_tensor(value):
+        _check_tensor_place(value, what)
+        t = value.detach()
+        if t.dtype == torch_module().bfloat16:
+            from ._storage import bf16
+
+            return t.view(torch_module().int16).numpy().view(bf16())
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 "
+                            f"or float64); got dtype {dtype_name(t)}")
+        value = t.numpy()
+    arr = np.asarray(value)
+    if not is_float_dtype(arr.dtype):
+        raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 or "
+                        f"float64); got dtype {arr.dtype}")
+    return arr
+
+
+def _float32_copy(x):
+    """x as a new C-contiguous, aligned float32 array (np.ascontiguousarray keeps a misaligned
+    float32 array as it is)."""
+    return np.array(x, dtype=F32, order="C", copy=True)
+
+
+def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
+    """`x` of exactly `shape` (`shown` in messages through `lead_of`, the out it must match).
+
+    Read in place when it is a float32/float16/bfloat16 NumPy array or CPU tensor whose layout
+    the kernels take; anything else real and floating is converted to a float32 copy (checked
+    for overlap with `out` first).  Returns (keep-alive object, pointer, code, ld).
+    """
+    if is_tensor(x):
+        _check_tensor_place(x, what)
+        xshape = tuple(x.shape)
+        if not (x.dtype.is_floating_point):
+            raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 or "
+                            f"float64); got dtype {dtype_name(x)}")
+        _check_shape(xshape, shape, what, lead_of)
+        code = torch_code(x)
+        if code is not None:
+            strides = tuple(x.stride())
+            layout = _layout(shape, strides) if batched else (
+                (1, shape[0]) if shape[0] <= 1 or strides[0] == 1 else None)
+            if layout is not None and x.data_ptr() % x.element_size() == 0:
+                return x, ffi.cast("void *", x.data_ptr()), code, layout[1]
+        no_overlap(x, out)
+        copy = x.detach().to(device="cpu", dtype=torch_module().float32).contiguous()
+        if copy.data_ptr() == x.data_ptr():
+            copy = copy.clone()
+        return copy, ffi.cast("void *", copy.data_ptr()), DT_F32, shape[-1]
+    xa = x if isinstance(x, np.ndarray) else float_array(x, what)
+    if not is_float_dtype(xa.dtype):
+        raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 or "
+                        f"float64); got dtype {xa.dtype}")
+    _check_shape(xa.shape, shape, what, lead_of)
+    code = np_code(xa.dtype)
+    if code is not None and xa.flags.aligned:
+        strides = _np_strides(xa)
+        if strides is not None:
+            layout = _layout(shape, strides) if batched else (
+                (1, shape[0]) if shape[0] <= 1 or strides[0] == 1 else None)
+            if layout is not None:
+                return xa, ffi.cast("void *", xa.__array_interface__["data"][0]), code, layout[1]
+    no_overlap(xa, out)
+    xa = _float32_copy(xa)
+    return xa, ffi.from_buffer(xa), DT_F32, shape[-1]
+
+
+def _check_shape(got, want, what, lead_of):
+    if tuple(got) != want:
+        if lead_of is not None:
+            raise ValueError(f"{what} must have shape {want} = [..., cols] to match out "
+                             f"{lead_of}; got {tuple(got)}")
+        raise ValueError(f"{what} must have shape {want} = [cols]; got {tuple(got)}")
+
+
+def as_ids(ids, what, shape=None, *, any_shape=False):
+    """An int64 C-contiguous copy (or view) of integer ids; TypeError for bool/float ids.
+
+    `shape`: the shape the ids must have (ValueError otherwise); `any_shape`: keep the ids'
+    own shape (else they must be 1-D)."""
+    if isinstance(ids, (list, tuple)) and ids and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        big = [i for i, v in enumerate(ids) if not -2**63 <= v <= I64_MAX]
+        if big:  # NumPy would make these an object or float array
+            raise IndexError(f"{what}: id {ids[big[0]]} at position {big[0]} is out of range")
+    arr = np.asarray(ids)
+    if arr.size == 0 and arr.dtype.kind in "fb" or arr.size == 0 and arr.dtype == object:
+        arr = arr.astype(I64)  # no id, nothing to misread, whatever the empty array's dtype
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers; got dtype {arr.dtype}")
+    if shape is not None and arr.shape != shape:
+        if len(shape) == 1 and arr.ndim == 1:
+            raise ValueError(f"{what} has {arr.shape[0]} ids; out has {shape[0]} positions")
+        raise ValueError(f"{what} must have shape {shape}; got {arr.shape}")
+    if shape is None and not any_shape and arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D; got shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size:
+        big = np.flatnonzero(arr.reshape(-1) > np.uint64(I64_MAX))
+        if big.size:
+            raise IndexError(f"{what}: id {int(arr.reshape(-1)[big[0]])} at position "
+                             f"{int(big[0])} is out of range")
+    if arr.dtype != I64 or not arr.flags.c_contiguous or not arr.flags.aligned:
+        arr = np.array(arr, dtype=I64, order="C", copy=True)
+    return arr
+
+
+def per_id_shape(ids, lead, what):
+    """Bank ids (or scales) of the leading shape `lead` or a prefix of it: returns how many
+    consecutive positions share one id (the product of the axes the ids do not cover)."""
+    k = ids.ndim
+    if k < 1 or ids.shape != tuple(lead[:k]):
+        prefixes = " or ".join(str(tuple(lead[:j])) for j in range(len(lead), 0, -1))
+        raise ValueError(f"{what} must have the leading shape of out, {prefixes}; got shape "
+                         f"{ids.shape}")
+    every = 1
+    for size in lead[k:]:
+        every *= size
+    return every
+
+
+def as_scales(scales, what="scales"):
+    """Per-position scales: a real (not bool) array-like, as float64 C-contiguous."""
+    arr = np.asarray(scales)
+    if arr.dtype.kind == "b" or not (arr.dtype.kind in "iuf" or is_bf16(arr.dtype)):
+        raise TypeError(f"{what} must be real numbers (not bool); got dtype {arr.dtype}")
+    if not np.isfinite(arr.astype(np.float64)).all():
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr.astype(np.float64)))[0])
+        raise ValueError(f"{what} has a non-finite value ({arr[bad]}) at index {bad}")
+    return np.ascontiguousarray(arr, dtype=np.float64)
+
+
+def token_id(r, rows):
+    """One token id for add_row_to: an int (not bool, not float) in [0, rows) (rows None: >= 0)."""
+    if isinstance(r, (bool, np.bool_)) or isinstance(r, (float, np.floating)):
+        raise TypeError(f"token id must be an integer; got {type(r).__name__}")
+    if is_tensor(r):
+        if r.dtype.is_floating_point or r.dtype == torch_module().bool or r.numel() != 1:
+            raise TypeError(f"token id must be an integer; got a {dtype_name(r)} tensor of "
+                            f"shape {tuple(r.shape)}")
+        r = int(r.item())
+    try:
+        r = operator.index(r)
+    except TypeError:
+        raise TypeError(f"token id must be an integer; got {type(r).__name__}") from None
+    if r < 0 or (rows is not None and r >= rows):
+        where = f"[0, {rows})" if rows is not None else "(ids are >= 0)"
+        raise IndexError(f"token id {r} is out of range {where} for this embedding")
+    return r
+
+
+def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=None, bad=None,
+                 scales=None):
+    """Turn a LORA_ERR_* status from the C layer into the matching Python exception."""
+    pos = int(bad[0]) if bad is not None else -1
+    if status == lib.LORA_ERR_OVERLAP:
+        raise ValueError("x and out overlap in memory; out must not alias x")
+    if status == lib.LORA_ERR_INDEX:
+        flat = ids.reshape(-1)
+        raise IndexError(f"token id {int(flat[pos])} at position {_where(ids, pos)} is out of "
+                         f"range [0, {rows})")
+    if status == lib.LORA_ERR_ADAPTER:
+        flat = adapter_ids.reshape(-1)
+        valid = "-1 (no adapter)" + (f" and 0..{n_entries - 1}" if n_entries else
+                                     ", the bank has no entries")
+        raise IndexError(f"adapter id {int(flat[pos])} at position {_where(adapter_ids, pos)} is "
+                         f"out of range: valid ids are {valid}")
+    if status == lib.LORA_ERR_SCALE:
+        if pos >= 0 and scales is not None:
+            raise ValueError(f"scales[{_where(scales, pos)}] = {scales.reshape(-1)[pos]!r} times "
+                             f"an effective scale is not finite in float32 (|s| must be below "
+                             f"3.4e38)")
+        raise ValueError("the effective scale (scale x alpha factor) is not finite in float32 "
+                         "(|s| must be below 3.4e38)")
+    if status == lib.LORA_ERR_ALIGN:
+        raise ValueError("x, out or the ids are not aligned to their item size")
+    if status == lib.LORA_ERR_NOMEM:
+        raise MemoryError("lora-kernels: out of memory for kernel scratch")
+    raise ValueError(f"lora-kernels: invalid arguments (status {status})")
+
+
+def _where(arr, flat_index):
+    """A flat position as the index of `arr` (an int for 1-D arrays, a tuple otherwise)."""
+    if arr.ndim <= 1:
+        return flat_index
+    return tuple(int(i) for i in np.unravel_index(flat_index, arr.shape))
