@@ -496,6 +496,17 @@ int lora_add(const lora_delta *d, float scale, const void *x, int x_dtype, void 
     return lora_add_batch(d, scale, 1, x, x_dtype, d->cols, out, out_dtype, d->rows);
 }
 
+int lora_add_at(const lora_delta *d, float scale, intptr_t x, int x_dtype, intptr_t out,
+                int out_dtype) {
+    return lora_add(d, scale, (const void *)x, x_dtype, (void *)out, out_dtype);
+}
+
+int lora_add_batch_at(const lora_delta *d, float scale, int64_t batch, intptr_t x, int x_dtype,
+                      int64_t ldx, intptr_t out, int out_dtype, int64_t ldo) {
+    return lora_add_batch(d, scale, batch, (const void *)x, x_dtype, ldx, (void *)out, out_dtype,
+                          ldo);
+}
+
 int lora_add_rows(const lora_delta *d, float scale, int64_t n, const int64_t *ids, void *out,
                   int out_dtype, int64_t ldo, int64_t *bad) {
     static const int64_t first[2] = {0, 1};

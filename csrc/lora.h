@@ -81,6 +81,13 @@ int lora_add(const lora_delta *d, float scale, const void *x, int x_dtype, void 
 int lora_add_batch(const lora_delta *d, float scale, int64_t batch, const void *x, int x_dtype,
                    int64_t ldx, void *out, int out_dtype, int64_t ldo);
 
+/* the same two, for callers that hold addresses as integers (a torch tensor's
+ * data_ptr()): no pointer object to build per call */
+int lora_add_at(const lora_delta *d, float scale, intptr_t x, int x_dtype, intptr_t out,
+                int out_dtype);
+int lora_add_batch_at(const lora_delta *d, float scale, int64_t batch, intptr_t x, int x_dtype,
+                      int64_t ldx, intptr_t out, int out_dtype, int64_t ldo);
+
 /* gather: out[i*ldo + j] += scale * (B[ids[i], :] A)[j], i < n */
 int lora_add_rows(const lora_delta *d, float scale, int64_t n, const int64_t *ids, void *out,
                   int out_dtype, int64_t ldo, int64_t *bad);

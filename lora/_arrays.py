@@ -27,6 +27,7 @@ DT_F32, DT_F16, DT_BF16 = lib.LORA_DTYPE_F32, lib.LORA_DTYPE_F16, lib.LORA_DTYPE
 _NP_CODES = {F32: DT_F32, F16: DT_F16}
 _ITEMSIZE = {DT_F32: 4, DT_F16: 2, DT_BF16: 2}
 _TORCH_CODES = None  # {torch.float32: DT_F32, ...}, filled at the first tensor
+_VOIDP = ffi.typeof("void *")
 
 
 def is_bf16(dt):
@@ -56,12 +57,61 @@ def is_tensor(obj):
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def torch_code(t):
+def tensor_type():
+    """torch.Tensor when torch is imported, else None (for `type(obj) is ...` fast paths)."""
+    torch = sys.modules.get("torch")
+    return torch.Tensor if torch is not None else None
+
+
+def tensor_vec(x, out, xshape, oshape):
+    """The fast path for plain contiguous CPU tensors of the exact 1-D shapes: (x address, code,
+    out address, code), or None to take the checked path (which also raises every error)."""
+    try:
+        codes = _TORCH_CODES or _torch_codes()
+        xc, oc = codes.get(x.dtype), codes.get(out.dtype)
+        if (xc is None or oc is None or not (x.is_cpu and out.is_cpu) or out.requires_grad
+                or x.shape != xshape or out.shape != oshape
+                or not (x.is_contiguous() and out.is_contiguous())):
+            return None
+        return x.data_ptr(), xc, out.data_ptr(), oc
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def tensor_batch(x, out, cols, rows):
+    """As tensor_vec for the batched methods (contiguous, any leading axes): (x address, code,
+    out address, code, positions) or None."""
+    try:
+        codes = _TORCH_CODES or _torch_codes()
+        xc, oc = codes.get(x.dtype), codes.get(out.dtype)
+        if xc is None or oc is None or not (x.is_cpu and out.is_cpu) or out.requires_grad:
+            return None
+        xs, os_ = x.shape, out.shape
+        nd = len(os_)
+        if nd == 2:  # the common case, without slicing torch.Size (slow)
+            if os_[1] != rows or len(xs) != 2 or xs[1] != cols or xs[0] != os_[0]:
+                return None
+            n = os_[0]
+        elif nd < 2 or os_[-1] != rows or xs[-1] != cols or tuple(xs)[:-1] != tuple(os_)[:-1]:
+            return None
+        else:
+            n = out.numel() // rows
+        if not (x.is_contiguous() and out.is_contiguous()):
+            return None
+        return x.data_ptr(), xc, out.data_ptr(), oc, n
+    except (AttributeError, RuntimeError, TypeError, IndexError):
+        return None
+
+
+def _torch_codes():
     global _TORCH_CODES
-    if _TORCH_CODES is None:
-        torch = torch_module()
-        _TORCH_CODES = {torch.float32: DT_F32, torch.float16: DT_F16, torch.bfloat16: DT_BF16}
-    return _TORCH_CODES.get(t.dtype)
+    torch = torch_module()
+    _TORCH_CODES = {torch.float32: DT_F32, torch.float16: DT_F16, torch.bfloat16: DT_BF16}
+    return _TORCH_CODES
+
+
+def torch_code(t):
+    return (_TORCH_CODES or _torch_codes()).get(t.dtype)
 
 
 def _check_tensor_place(t, what):
@@ -217,7 +267,7 @@ def check_out(out, shape, what="out", shown=None, *, batched=False):
                          f"odd byte offset); it must be an aligned array")
     if not batched:
         if len(shape) == 1 and (shape[0] <= 1 or strides[0] == 1):
-            return ffi.cast("void *", ptr), code, 1, shape[0]
+            return ffi.cast(_VOIDP, ptr), code, 1, shape[0]
         raise ValueError(f"{what} must be C-contiguous; got strides "
                          f"{out.strides if not tensor else strides}")
     layout = _layout(shape, strides)
@@ -228,7 +278,7 @@ def check_out(out, shape, what="out", shown=None, *, batched=False):
             f"{what} must be C-contiguous or a row-strided view whose last axis is contiguous "
             f"(strides[-1] == {size if not tensor else 1} {unit}) and whose leading axes "
             f"collapse to one stride of at least one row; got strides {shown_strides}")
-    return ffi.cast("void *", ptr), code, layout[0], layout[1]
+    return ffi.cast(_VOIDP, ptr), code, layout[0], layout[1]
 
 
 def batched_shape(out, last, what, lead=None):
@@ -294,12 +344,12 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
             layout = _layout(shape, strides) if batched else (
                 (1, shape[0]) if shape[0] <= 1 or strides[0] == 1 else None)
             if layout is not None and x.data_ptr() % x.element_size() == 0:
-                return x, ffi.cast("void *", x.data_ptr()), code, layout[1]
+                return x, ffi.cast(_VOIDP, x.data_ptr()), code, layout[1]
         no_overlap(x, out)
         copy = x.detach().to(device="cpu", dtype=torch_module().float32).contiguous()
         if copy.data_ptr() == x.data_ptr():
             copy = copy.clone()
-        return copy, ffi.cast("void *", copy.data_ptr()), DT_F32, shape[-1]
+        return copy, ffi.cast(_VOIDP, copy.data_ptr()), DT_F32, shape[-1]
     xa = x if isinstance(x, np.ndarray) else float_array(x, what)
     if not is_float_dtype(xa.dtype):
         raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 or "
@@ -312,7 +362,7 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
             layout = _layout(shape, strides) if batched else (
                 (1, shape[0]) if shape[0] <= 1 or strides[0] == 1 else None)
             if layout is not None:
-                return xa, ffi.cast("void *", xa.__array_interface__["data"][0]), code, layout[1]
+                return xa, ffi.cast(_VOIDP, xa.__array_interface__["data"][0]), code, layout[1]
     no_overlap(xa, out)
     xa = _float32_copy(xa)
     return xa, ffi.from_buffer(xa), DT_F32, shape[-1]

@@ -30,6 +30,8 @@ _NULL = ffi.NULL
 _lora_add = lib.lora_add
 _lora_add_batch = lib.lora_add_batch
 _lora_add_rows = lib.lora_add_rows
+_lora_add_at = lib.lora_add_at
+_lora_add_batch_at = lib.lora_add_batch_at
 _lora_apply_batch = lib.lora_apply_batch
 _lora_apply_rows = lib.lora_apply_rows
 _ERR_ALIGN = lib.LORA_ERR_ALIGN
@@ -227,6 +229,12 @@ class LoraDelta:
                 xc = oc = _DT_F32
             except ValueError:
                 x, xp, xc, op, oc = self._vec_args(x, out)
+        elif type(out) is not _ndarray and (
+                fast := A.tensor_vec(x, out, self._xshape, self._oshape)) is not None:
+            status = _lora_add_at(self._ptr, self._scale.value * self._alpha_factor, *fast)
+            if status == 0:
+                return out
+            x, xp, xc, op, oc = self._vec_args(x, out)  # misaligned: the checked path
         else:
             x, xp, xc, op, oc = self._vec_args(x, out)
         # always one C call: it checks x/out overlap, then skips all arithmetic at scale 0
@@ -262,6 +270,14 @@ class LoraDelta:
                 batch = out.shape[0]
             except ValueError:
                 x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
+        elif type(out) is not _ndarray and (
+                fast := A.tensor_batch(x, out, self._cols, self._rows)) is not None:
+            xa, xc, oa, oc, batch = fast
+            status = _lora_add_batch_at(self._ptr, self._scale.value * self._alpha_factor, batch,
+                                        xa, xc, self._cols, oa, oc, self._rows) if batch else 0
+            if status == 0:
+                return out
+            x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
         else:
             x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
         if batch:

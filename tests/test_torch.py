@@ -1,0 +1,177 @@
+"""CPU torch tensors as activations, outputs, ids, scales and merge targets: read and written in
+place through their pointers (never copied for `out`, never through `.numpy()`), the very tensor
+returned, the same bits as the NumPy arrays holding the same values, the same refusals."""
+
+import subprocess
+
+import numpy as np
+import pytest
+
+import lora
+from conftest import PYTHON, assert_same_bits, make_delta, subprocess_env
+
+torch = pytest.importorskip("torch")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+NP = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
+ROWS, COLS = 37, 53
+
+
+def as_np(t):
+    """A NumPy copy of a tensor's values (bfloat16 through its bits)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().copy().view(BF16)
+    return t.numpy().copy()
+
+
+def as_torch(a):
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def _rand(gen, shape, name, scale=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(TORCH[name])
+
+
+@pytest.mark.parametrize("xdt", list(TORCH))
+@pytest.mark.parametrize("odt", list(TORCH))
+def test_tensors_give_the_bits_of_numpy(xdt, odt, isa, dtype):
+    gen = torch.Generator().manual_seed(1)
+    rng = np.random.default_rng(1)
+    d = make_delta(rng, 8, ROWS, COLS, dtype, alpha=4.0)
+    stack = lora.LoraStack([d, make_delta(rng, 3, ROWS, COLS, dtype)])
+    bank = lora.LoraBank([d, stack])
+    x = _rand(gen, (2, 3, COLS), xdt)
+    out = _rand(gen, (2, 3, ROWS), odt)
+    ids = torch.tensor([[0, 1, -1], [1, 1, 0]])
+    sc = torch.tensor([[0.5, 2.0, 1.0], [1.0, -1.0, 0.25]], dtype=torch.float64)
+    calls = {
+        "delta": (lambda xx, o: d.add_batch_to(xx, o)),
+        "stack": (lambda xx, o: stack.add_batch_to(xx, o)),
+        "bank": (lambda xx, o: bank.add_batch_to(xx, o, ids, sc)),
+        "bank np ids": (lambda xx, o: bank.add_batch_to(xx, o, ids.numpy(), sc.numpy())),
+    }
+    for name, call in calls.items():
+        got = out.clone()
+        ptr = got.data_ptr()
+        assert call(x, got) is got
+        assert got.data_ptr() == ptr
+        want = call(as_np(x), as_np(out))
+        assert_same_bits(as_np(got).view(np.uint8), want.view(np.uint8), name)
+    # decode and gathers
+    got = out[0, 0].clone()
+    d.add_to(x[1, 2], got)
+    want = d.add_to(as_np(x[1, 2]), as_np(out[0, 0]))
+    assert_same_bits(as_np(got).view(np.uint8), want.view(np.uint8))
+    tok = torch.tensor([[3, 0, 36], [5, 5, 1]])
+    rows_out = _rand(gen, (2, 3, COLS), odt)
+    got = stack.add_rows_to(tok, rows_out.clone())
+    want = stack.add_rows_to(tok.numpy(), as_np(rows_out))
+    assert_same_bits(as_np(got).view(np.uint8), want.view(np.uint8))
+    got = bank.add_rows_to(tok, rows_out.clone(), ids)
+    want = bank.add_rows_to(tok.numpy(), as_np(rows_out), ids.numpy())
+    assert_same_bits(as_np(got).view(np.uint8), want.view(np.uint8))
+    row = rows_out[0, 0].clone()
+    d.add_row_to(torch.tensor(5), row)
+    assert_same_bits(as_np(row).view(np.uint8),
+                     d.add_row_to(5, as_np(rows_out[0, 0])).view(np.uint8))
+
+
+def test_row_strided_torch_views_are_written_in_place(isa):
+    """The q columns of a fused qkv output, and an x that is a slice of a wider tensor."""
+    gen = torch.Generator().manual_seed(2)
+    rng = np.random.default_rng(2)
+    d = make_delta(rng, 8, ROWS, COLS, "bfloat16")
+    qkv = _rand(gen, (2, 4, 3 * ROWS), "bfloat16")
+    x = _rand(gen, (2, 4, 2 * COLS), "bfloat16")[:, :, COLS:]
+    want = as_np(qkv)
+    want[:, :, :ROWS] = d.add_batch_to(as_np(x), want[:, :, :ROWS].copy())
+    q = qkv[:, :, :ROWS]
+    assert d.add_batch_to(x, q) is q
+    assert_same_bits(as_np(qkv).view(np.uint16), want.view(np.uint16))
+
+
+def test_x_that_requires_grad_is_read_and_params_merge():
+    rng = np.random.default_rng(3)
+    d = make_delta(rng, 4, ROWS, COLS, alpha=2.0)
+    x = torch.randn(COLS, requires_grad=True)
+    out = torch.zeros(ROWS)
+    d.add_to(x, out)
+    assert_same_bits(as_np(out), d.add_to(as_np(x), np.zeros(ROWS, np.float32)))
+    w = torch.nn.Parameter(torch.randn(ROWS, COLS, dtype=torch.bfloat16))
+    before = as_np(w).astype(np.float64)
+    assert d.merge_into(w) is w
+    a, b = d.lora_weights()
+    expect = before + d.effective_scale * (b.astype(np.float64) @ a.astype(np.float64))
+    assert np.abs(as_np(w).astype(np.float64) - expect).max() <= np.abs(expect).max() * 2**-8
+    # the transposed view of a contiguous [cols, rows] tensor (fan_in_fan_out bases)
+    wt = torch.randn(COLS, ROWS, dtype=torch.float16)
+    np_wt = as_np(wt)
+    d.merge_into(wt.T)
+    assert_same_bits(as_np(wt), d.merge_into(np_wt.T).T.copy())
+
+
+def _bad_calls(d, bank):
+    x = torch.randn(3, COLS)
+    good = torch.zeros(3, ROWS)
+    grad = torch.zeros(3, ROWS, requires_grad=True)
+    meta_out = torch.zeros(3, ROWS, device="meta")
+    meta_x = torch.zeros(3, COLS, device="meta")
+    yield "meta out", TypeError, ["meta"], lambda o: d.add_batch_to(x, meta_out), good
+    yield "meta x", TypeError, ["meta"], lambda o: d.add_batch_to(meta_x, o), good
+    yield "grad out", ValueError, ["requires grad"], lambda o: d.add_batch_to(x, grad), good
+    yield "int out", TypeError, ["float32", "int64"], \
+        lambda o: d.add_batch_to(x, torch.zeros(3, ROWS, dtype=torch.int64)), good
+    yield "int x", TypeError, ["int32"], \
+        lambda o: d.add_batch_to(torch.zeros(3, COLS, dtype=torch.int32), o), good
+    yield "complex x", TypeError, ["complex"], \
+        lambda o: d.add_batch_to(torch.zeros(3, COLS, dtype=torch.complex64), o), good
+    yield "shape", ValueError, ["(..., 37)", "(3, 38)"], \
+        lambda o: d.add_batch_to(x, torch.zeros(3, ROWS + 1)), good
+    yield "x shape", ValueError, ["(3, 52)"], lambda o: d.add_batch_to(x[:, :-1], o), good
+    yield "not contiguous", ValueError, ["strides"], \
+        lambda o: d.add_batch_to(x, torch.zeros(3, 2 * ROWS)[:, ::2]), good
+    yield "float ids", TypeError, ["integers"], \
+        lambda o: bank.add_batch_to(x, o, torch.zeros(3)), good
+    yield "bool scales", TypeError, ["bool"], \
+        lambda o: bank.add_batch_to(x, o, torch.zeros(3, dtype=torch.int64),
+                                    torch.ones(3, dtype=torch.bool)), good
+    yield "id range", IndexError, ["7", "position 1"], \
+        lambda o: bank.add_batch_to(x, o, torch.tensor([0, 7, 0])), good
+    yield "token range", IndexError, ["99"], \
+        lambda o: d.add_rows_to(torch.tensor([1, 99, 2]), o), torch.zeros(3, COLS)
+    buf = torch.zeros(3 * ROWS + 3 * COLS)
+    yield "overlap", ValueError, ["overlap"], \
+        lambda o: d.add_batch_to(buf[:3 * COLS].view(3, COLS), buf[3 * COLS - 5:][:3 * ROWS]
+                                 .view(3, ROWS)), buf
+
+
+def test_bad_tensors_are_refused_and_nothing_is_written(isa):
+    rng = np.random.default_rng(4)
+    d = make_delta(rng, 4, ROWS, COLS)
+    bank = lora.LoraBank([d])
+    for name, exc, fragments, call, watched in _bad_calls(d, bank):
+        before = watched.clone()
+        with pytest.raises(exc) as info:
+            call(watched)
+        for frag in fragments:
+            assert frag in str(info.value), (name, str(info.value))
+        assert torch.equal(watched, before), name
+
+
+def test_half_merge_overflow_in_torch_leaves_w():
+    d = lora.LoraDelta(np.ones((1, 4)), np.ones((3, 1)), scale=70000.0)
+    w = torch.ones(3, 4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="overflow"):
+        d.merge_into(w)
+    assert torch.equal(w, torch.ones(3, 4, dtype=torch.float16))
+
+
+def test_import_lora_does_not_import_torch():
+    code = "import sys, lora; print('torch' in sys.modules)"
+    res = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=120)
+    assert res.stdout.strip() == "False", res.stderr
