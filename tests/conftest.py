@@ -13,6 +13,9 @@ import contextlib
 import os
 import sys
 
+# No test may reach for a model hub: PEFT/transformers models are built from configs.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
