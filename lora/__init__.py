@@ -10,6 +10,7 @@ the kernel path this machine uses.
 """
 
 from ._runtime import __version__, get_num_threads, kernel_info, set_num_threads
+from .adapter_set import AdapterSet
 from .bank import LoraBank
 from .delta import LoraDelta, LoraStack
 from .errors import LoraFormatError, LoraShapeError
@@ -23,6 +24,7 @@ __all__ = [
     "LoraDelta",
     "LoraStack",
     "LoraBank",
+    "AdapterSet",
     "LoraAdapter",
     "load_peft",
     "load_gguf",

@@ -24,6 +24,8 @@ __all__ = ["LoraDelta", "LoraStack"]
 _ndarray = np.ndarray
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32 = A.F32
+_F64 = np.dtype(np.float64)
+_I64 = A.I64
 _DT_F32 = A.DT_F32
 _from_buffer = ffi.from_buffer
 _NULL = ffi.NULL
@@ -557,6 +559,13 @@ class EntryTable:
         if self._stale:
             self._rebuild()
         shape = self._shape
+        if (type(x) is _ndarray and type(out) is _ndarray and x.dtype is _F32
+                and out.dtype is _F32 and shape is not None and out.ndim == 2):
+            # the common case (float32 rows, int64 ids, float64 scales or none), without the
+            # general checks: C checks overlap, alignment, ids and scales before any write
+            fast = self._fast_batch(x, out, adapter_ids, scales, shape)
+            if fast is not None:
+                return out
         if shape is None:  # no entry holds a delta: no rows/cols to check against
             return self._shapeless_batch(x, out, adapter_ids, scales)
         rows, cols = shape
@@ -569,6 +578,41 @@ class EntryTable:
                                        bad)
             if status:
                 self._raise(status, ids, pos, bad=bad)
+        return out
+
+    def _fast_batch(self, x, out, adapter_ids, scales, shape):
+        rows, cols = shape
+        n = out.shape[0]
+        if out.shape[1] != rows or x.shape != (n, cols):
+            return None
+        idp, posp = _NULL, _NULL
+        try:
+            if adapter_ids is not None:
+                if (type(adapter_ids) is not _ndarray or adapter_ids.dtype is not _I64
+                        or adapter_ids.shape != (n,)):
+                    return None
+                idp = _from_buffer("int64_t[]", adapter_ids)
+                if scales is not None:
+                    if (type(scales) is not _ndarray or scales.dtype is not _F64
+                            or scales.shape != (n,)):
+                        return None
+                    posp = _from_buffer("double[]", scales)
+            elif scales is not None:
+                return None
+            xp = _from_buffer(x)
+            op = _from_buffer(out, require_writable=True)
+        except ValueError:  # not contiguous: the general path
+            return None
+        if not n:
+            return out
+        bad = ffi.new("int64_t *")
+        status = _lora_apply_batch(len(self._entries), self.first, self.ptrs, self.scales(), idp,
+                                   posp, 1, rows, cols, n, xp, _DT_F32, cols, op, _DT_F32, rows,
+                                   bad)
+        if status == _ERR_ALIGN:
+            return None
+        if status:
+            self._raise(status, adapter_ids, scales, bad=bad)
         return out
 
     def apply_rows(self, tok_ids, out, adapter_ids=None, scales=None):

@@ -1,0 +1,271 @@
+"""`AdapterSet`: many adapters over one base model, by name, with stable slot ids, hot swap,
+and one live bank per projection.
+
+A set is a sequence of slots, each free or holding one named adapter (a mapping from base
+names, the GGUF tensor or PEFT module names, to deltas).  Every change builds a new immutable
+snapshot under a lock; a bank call reads the snapshot once, so all positions of one call see the
+same adapters, and the snapshot keeps every delta it uses alive until the call returns, however
+the set changes meanwhile.
+"""
+
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import _arrays as A
+from .delta import EntryTable, LoraDelta, LoraStack
+from .errors import LoraShapeError
+
+__all__ = ["AdapterSet"]
+
+BASE = "__base__"  # the name PEFT uses for "no adapter" in a mixed batch
+
+
+class _Snapshot:
+    """One instant of a set: the slots (None = free) and, built on first use, one EntryTable per
+    target.  Never changed after publication except for that cache."""
+
+    __slots__ = ("slots", "index", "shapes", "free", "has_free", "_tables")
+
+    def __init__(self, slots):
+        self.slots = tuple(slots)
+        self.index = {s[0]: i for i, s in enumerate(self.slots) if s is not None}
+        self.shapes = {}
+        for s in self.slots:
+            if s is not None:
+                for target, entry in s[1].items():
+                    self.shapes.setdefault(target, entry.base_shape)
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        self.free = np.zeros(len(self.slots), bool)
+        self.free[free] = True
+        self.has_free = bool(free)
+        self._tables = {}
+
+    def table(self, target):
+        table = self._tables.get(target)
+        if table is None:
+            entries = [None if s is None else s[1].get(target) for s in self.slots]
+            # concurrent builders of one target build equal tables; either may win
+            table = self._tables.setdefault(target, EntryTable(entries, "slot"))
+        return table
+
+
+def _check_adapter(name, adapter):
+    if not isinstance(name, str):
+        raise TypeError(f"an adapter name must be a str; got {type(name).__name__}")
+    if name == BASE:
+        raise ValueError(f"{BASE!r} means 'no adapter' and cannot name one")
+    if not isinstance(adapter, Mapping):
+        raise TypeError(f"adapter {name!r} must be a LoraAdapter (a mapping from base names to "
+                        f"deltas); got {type(adapter).__name__}")
+    for target, entry in adapter.items():
+        if not isinstance(entry, (LoraDelta, LoraStack)):
+            raise TypeError(f"adapter {name!r}: {target!r} maps to a "
+                            f"{type(entry).__name__}, not a LoraDelta")
+
+
+class AdapterSet:
+    """Named adapters over one base model, each in a stable slot, for mixed batches.
+
+    ``AdapterSet(adapters=None)``: an optional ``{name: LoraAdapter}``, added in order.
+
+    - ``add(name, adapter) -> slot``: a new name (``ValueError`` for a name in use) takes the
+      lowest free slot, so a slot id held from before a ``remove`` may name a newer adapter.
+    - ``replace(name, adapter) -> slot``: hot swap, the same slot with the new adapter's deltas.
+    - ``remove(name)``: the slot becomes free (``KeyError`` when absent, as for ``replace``).
+    - ``slot(name)``, ``slots(names)`` (a NumPy int64 array; ``None`` and ``"__base__"`` give
+      ``-1``, no adapter; an unknown name is a ``KeyError`` naming it).
+    - ``len``, ``in``, iteration (names), ``s[name]`` (the adapter), ``.names`` (slot order),
+      ``.targets`` (base names any adapter targets), ``.resident_bytes``.
+    - ``bank(target)``: a live bank for one base name, with ``add_batch_to(x, out,
+      adapter_ids, scales=None)``, ``add_rows_to(ids, out, adapter_ids, scales=None)`` and
+      ``base_shape`` (see ``LoraBank``); adapter ids are slot ids.  A slot whose adapter does
+      not target that base adds nothing there; a free slot used as an id is an ``IndexError``.
+
+    Every adapter that targets one base name must agree on its ``(rows, cols)``: ``add`` and
+    ``replace`` refuse one that does not with a ``LoraShapeError`` naming the adapter, the
+    target and both shapes, and leave the set unchanged.  Changes are serialised and may run
+    while other threads are inside bank calls: each call uses the set as it was at one instant,
+    and an adapter's memory stays valid until every call that uses it has returned.
+    """
+
+    def __init__(self, adapters=None):
+        self._lock = threading.Lock()
+        self._snap = _Snapshot(())
+        if adapters is not None:
+            if not isinstance(adapters, Mapping):
+                raise TypeError(f"adapters must be a mapping {{name: LoraAdapter}}; got "
+                                f"{type(adapters).__name__}")
+            for name, adapter in adapters.items():
+                self.add(name, adapter)
+
+    # ------------------------------------------------------------------ changes
+    def _agree(self, snap, name, adapter, skip_slot=None):
+        for target, entry in adapter.items():
+            want = entry.base_shape
+            for i, s in enumerate(snap.slots):
+                if s is None or i == skip_slot or target not in s[1]:
+                    continue
+                have = s[1][target].base_shape
+                if want is not None and have is not None and have != want:
+                    raise LoraShapeError(
+                        f"adapter {name!r} has {target!r} as [{want[0]} x {want[1]}] but adapter "
+                        f"{s[0]!r} in this set has it as [{have[0]} x {have[1]}]; every adapter "
+                        f"on one base must agree", rows=want[0], cols=want[1])
+
+    def add(self, name, adapter):
+        """Add ``adapter`` as ``name`` in the lowest free slot; returns the slot id."""
+        _check_adapter(name, adapter)
+        with self._lock:
+            snap = self._snap
+            if name in snap.index:
+                raise ValueError(f"adapter name {name!r} is already in the set (slot "
+                                 f"{snap.index[name]}); use replace() to swap it")
+            self._agree(snap, name, adapter)
+            slots = list(snap.slots)
+            slot = next((i for i, s in enumerate(slots) if s is None), len(slots))
+            if slot == len(slots):
+                slots.append(None)
+            slots[slot] = (name, adapter)
+            self._snap = _Snapshot(slots)
+            return slot
+
+    def replace(self, name, adapter):
+        """Swap the adapter named ``name`` for ``adapter`` in the same slot; returns the slot."""
+        _check_adapter(name, adapter)
+        with self._lock:
+            snap = self._snap
+            slot = self._slot_of(snap, name)
+            self._agree(snap, name, adapter, skip_slot=slot)
+            slots = list(snap.slots)
+            slots[slot] = (name, adapter)
+            self._snap = _Snapshot(slots)
+            return slot
+
+    def remove(self, name):
+        """Remove the adapter named ``name``; its slot becomes free."""
+        with self._lock:
+            snap = self._snap
+            slot = self._slot_of(snap, name)
+            slots = list(snap.slots)
+            slots[slot] = None
+            while slots and slots[-1] is None:  # trailing free slots are simply gone
+                slots.pop()
+            self._snap = _Snapshot(slots)
+
+    # ------------------------------------------------------------------ lookups
+    @staticmethod
+    def _slot_of(snap, name):
+        try:
+            return snap.index[name]
+        except (KeyError, TypeError):
+            raise KeyError(f"no adapter named {name!r} in the set; names: "
+                           f"{sorted(snap.index)}") from None
+
+    def slot(self, name):
+        """The slot id of ``name`` (``KeyError`` naming it when absent)."""
+        return self._slot_of(self._snap, name)
+
+    def slots(self, names):
+        """Slot ids for a sequence of names, as a NumPy int64 array: ``None`` and ``"__base__"``
+        give -1 (no adapter); an unknown name is a ``KeyError`` naming it."""
+        snap = self._snap
+        if isinstance(names, str):
+            raise TypeError("slots() takes a sequence of names; for one name use slot()")
+        out = np.empty(len(names), np.int64)
+        for i, name in enumerate(names):
+            out[i] = -1 if name is None or name == BASE else self._slot_of(snap, name)
+        return out
+
+    def __len__(self):
+        return len(self._snap.index)
+
+    def __contains__(self, name):
+        return name in self._snap.index
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __getitem__(self, name):
+        snap = self._snap
+        return snap.slots[self._slot_of(snap, name)][1]
+
+    @property
+    def names(self):
+        """The adapter names in slot order."""
+        return [s[0] for s in self._snap.slots if s is not None]
+
+    @property
+    def targets(self):
+        """The set of base names at least one adapter targets."""
+        return set(self._snap.shapes)
+
+    @property
+    def resident_bytes(self):
+        """The sum of the adapters' resident bytes (a delta shared by two adapters counts once)."""
+        seen = {}
+        for s in self._snap.slots:
+            if s is not None:
+                for entry in s[1].values():
+                    for d in ([entry] if isinstance(entry, LoraDelta) else list(entry)):
+                        seen[id(d)] = d
+        return sum(d.resident_bytes for d in seen.values())
+
+    def __repr__(self):
+        return f"AdapterSet({self.names}, {len(self.targets)} targets)"
+
+    def bank(self, target):
+        """A live bank for base name ``target``: it sees later changes to the set at its next
+        call, and adds nothing while no adapter targets ``target``."""
+        return _SetBank(self, target)
+
+
+class _SetBank:
+    """`AdapterSet.bank(target)`: the bank methods over the set's current snapshot."""
+
+    __slots__ = ("_set", "_target")
+
+    def __init__(self, adapter_set, target):
+        self._set, self._target = adapter_set, target
+
+    def __repr__(self):
+        return f"<AdapterSet bank for {self._target!r}, base_shape={self.base_shape}>"
+
+    @property
+    def target(self):
+        return self._target
+
+    @property
+    def base_shape(self):
+        """(rows, cols) of the base, or None while no adapter targets it."""
+        return self._set._snap.shapes.get(self._target)
+
+    def add_batch_to(self, x, out, adapter_ids, scales=None):
+        """As ``LoraBank.add_batch_to``, with the set's slot ids as adapter ids."""
+        snap = self._set._snap  # one instant of the set for the whole call
+        if snap.has_free:
+            _no_free_slot(snap, adapter_ids)
+        table = snap._tables.get(self._target) or snap.table(self._target)
+        return table.apply_batch(x, out, adapter_ids, scales)
+
+    def add_rows_to(self, ids, out, adapter_ids, scales=None):
+        """As ``LoraBank.add_rows_to``, with the set's slot ids as adapter ids."""
+        snap = self._set._snap
+        if snap.has_free:
+            _no_free_slot(snap, adapter_ids)
+        table = snap._tables.get(self._target) or snap.table(self._target)
+        return table.apply_rows(ids, out, adapter_ids, scales)
+
+
+def _no_free_slot(snap, adapter_ids):
+    """A free slot used as an id is an IndexError naming it (checked only while a set has
+    holes: the common case costs nothing)."""
+    ids = A.as_ids(adapter_ids, "adapter_ids", any_shape=True)
+    flat = ids.reshape(-1)
+    inside = (flat >= 0) & (flat < snap.free.size)
+    hit = np.flatnonzero(inside & snap.free[np.where(inside, flat, 0)])
+    if hit.size:
+        pos = int(hit[0])
+        raise IndexError(f"adapter id {int(flat[pos])} at position {A._where(ids, pos)} names a "
+                         f"free slot of the set (its adapter was removed)")
