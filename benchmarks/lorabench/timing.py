@@ -21,6 +21,11 @@ def _loop0(fn, k):
         fn()
 
 
+def _loop1(fn, a, k):
+    for _ in itertools.repeat(None, k):
+        fn(a)
+
+
 def _loop2(fn, a, b, k):
     for _ in itertools.repeat(None, k):
         fn(a, b)
@@ -36,7 +41,7 @@ def _loop4(fn, a, b, c, d, k):
         fn(a, b, c, d)
 
 
-_LOOPS = {0: _loop0, 2: _loop2, 3: _loop3, 4: _loop4}
+_LOOPS = {0: _loop0, 1: _loop1, 2: _loop2, 3: _loop3, 4: _loop4}
 
 
 class Impl:

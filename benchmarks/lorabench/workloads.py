@@ -90,6 +90,21 @@ def linear_model(rows, cols, ranks, n, w):
     return nbytes, flops
 
 
+def numpy_decode_naive(calls):
+    """NumPy naive decode of (A, B, s, x, out) calls: out += s * (B @ (A @ x))."""
+    for a, b, s, x, o in calls:
+        o += s * (b @ (a @ x))
+
+
+def numpy_decode_tuned(calls, mm=np.matmul, add=np.add, mul=np.multiply):
+    """NumPy tuned decode of (A, B, s, x, out, y, z) calls, y and z preallocated."""
+    for a, b, s, x, o, y, z in calls:
+        mm(a, x, out=y)
+        mul(y, s, out=y)
+        mm(b, y, out=z)
+        add(o, z, out=o)
+
+
 def build_linear(ctx, rows, cols, ranks, batch, dtype):
     """decode (batch None: add_to on 1-D), prefill (add_batch_to) and stacks (len(ranks) > 1)."""
     lora, torch, rng = ctx.lora, ctx.torch, ctx.rng
@@ -114,18 +129,10 @@ def build_linear(ctx, rows, cols, ranks, batch, dtype):
     if dtype == "float32":
         o_naive, o_tuned = zeros(), zeros()
         if batch is None:
-            def naive(o=o_naive, x=x, trip=trip):
-                for a, b, s in trip:
-                    o += s * (b @ (a @ x))
-
-            bufs = [(a, b, s, np.empty(a.shape[0], np.float32), np.empty(rows, np.float32)) for a, b, s in trip]
-
-            def tuned(o=o_tuned, x=x, bufs=bufs, mm=mm, add=add, mul=mul):
-                for a, b, s, y, z in bufs:
-                    mm(a, x, out=y)
-                    mul(y, s, out=y)
-                    mm(b, y, out=z)
-                    add(o, z, out=o)
+            impls["numpy_naive"] = Impl(numpy_decode_naive, [(a, b, s, x, o_naive) for a, b, s in trip])
+            impls["numpy_tuned"] = Impl(numpy_decode_tuned, [
+                (a, b, s, x, o_tuned, np.empty(a.shape[0], np.float32), np.empty(rows, np.float32))
+                for a, b, s in trip])
         else:
             def naive(o=o_naive, x=x, trip=trip):
                 for a, b, s in trip:
@@ -141,8 +148,8 @@ def build_linear(ctx, rows, cols, ranks, batch, dtype):
                     mm(y, bt, out=z)
                     add(o, z, out=o)
 
-        impls["numpy_naive"] = Impl(naive)
-        impls["numpy_tuned"] = Impl(tuned)
+            impls["numpy_naive"] = Impl(naive)
+            impls["numpy_tuned"] = Impl(tuned)
 
     if torch is not None:
         o_t = torch.from_numpy(zeros())
@@ -357,27 +364,12 @@ def build_sweep(ctx, layers, rank, dtype):
         impls["_dram_read"] = ctx.dram_reader  # DRAM read bandwidth right now (the target's)
         # and a read of as many bytes as the sweep moves (its roof: part of them may stay in L3)
         impls["_same_size_read"] = make_reader(np.ones(nbytes // 4 // 64 * 64, np.float32), ctx.threads)
-    mm, add, mul = np.matmul, np.add, np.multiply
     if dtype == "float32":
         o_n, o_t = outs(), outs()
-        naive_calls = [(a, b, xs[cols], o_n[rows]) for rows, cols, a, b in pairs]
-
-        def naive(calls=naive_calls, s=s):
-            for a, b, x, o in calls:
-                o += s * (b @ (a @ x))
-
-        ys, zs = np.empty(rank, np.float32), {r: np.empty(r, np.float32) for r in (4096, 11008)}
-        tuned_calls = [(a, b, xs[cols], o_t[rows], zs[rows]) for rows, cols, a, b in pairs]
-
-        def tuned(calls=tuned_calls, s=s, y=ys):
-            for a, b, x, o, z in calls:
-                mm(a, x, out=y)
-                mul(y, s, out=y)
-                mm(b, y, out=z)
-                add(o, z, out=o)
-
-        impls["numpy_naive"] = Impl(naive)
-        impls["numpy_tuned"] = Impl(tuned)
+        y, zs = np.empty(rank, np.float32), {r: np.empty(r, np.float32) for r in (4096, 11008)}
+        impls["numpy_naive"] = Impl(numpy_decode_naive, [(a, b, s, xs[cols], o_n[rows]) for rows, cols, a, b in pairs])
+        impls["numpy_tuned"] = Impl(numpy_decode_tuned, [(a, b, s, xs[cols], o_t[rows], y, zs[rows])
+                                                          for rows, cols, a, b in pairs])
     if torch is not None:
         xt = {c: torch.from_numpy(v) for c, v in xs.items()}
         ot = {r: torch.from_numpy(v) for r, v in outs().items()}
