@@ -165,6 +165,12 @@ def main(argv=None, description=None):
             workloads.analyse(w, w.result, bw, meta["peak_flops"], threads, cpu["caches"], by_key)
         if w.dtype == "float32":
             by_key[w.key] = w
+        same, dram = w.result.get("same_size_read_bytes_per_s"), w.result.get("dram_now_bytes_per_s")
+        if same and dram and same > 1.25 * dram:  # the sizing trusted a cache size the machine belies
+            notes.append(f"{targets.label(w)}: a read of its {machine.fmt_bytes(w.result['bytes'])} ran at "
+                         f"{same / 1e9:.1f} GB/s, {same / dram:.1f}x the DRAM figure: part of it may live in a "
+                         f"cache larger than the {machine.fmt_bytes(cpu['llc']['bytes'])} reported "
+                         "(a larger --sweep-layers tells)")
 
     results = targets.evaluate_all(W, bw)
     out = report.header_lines(meta) + [""] + report.table_lines(W) + [""] + COLUMNS_NOTE
