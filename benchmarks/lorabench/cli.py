@@ -67,7 +67,8 @@ def main(argv=None, description=None):
         settle_s=(args.settle_ms if args.settle_ms is not None else 150 if quick else 200) * 1e-3,
         quiet_wait_s=args.wait_quiet,
     )
-    sweep_layers, sizing = workloads.size_sweep(cpu["llc"]["bytes"], cpu["mem_available_bytes"], args.sweep_layers)
+    sweep_layers, sizing = workloads.size_sweep(cpu["llc"]["bytes"], cpu["mem_available_bytes"],
+                                                 args.sweep_layers, quick)
     notes = []
 
     lora = machine.import_lora()
@@ -172,7 +173,7 @@ def main(argv=None, description=None):
                          f"cache larger than the {machine.fmt_bytes(cpu['llc']['bytes'])} reported "
                          "(a larger --sweep-layers tells)")
 
-    results = targets.evaluate_all(W, bw)
+    results = targets.evaluate_all(W, {"bw": bw, "llc_bytes": cpu["llc"]["bytes"]})
     out = report.header_lines(meta) + [""] + report.table_lines(W) + [""] + COLUMNS_NOTE
     for section in (report.startup_lines(W), report.baseline_lines(W), report.target_lines(results, quick)):
         out += [""] + section if section else []

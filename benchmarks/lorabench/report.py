@@ -109,9 +109,8 @@ def header_lines(meta):
         lines.append(f"model sweep: {sz['layers']} layers of Llama-2-7B shapes, rank 16: adapters "
                      f"{fmt_bytes(sz['adapter_bytes']['float32'])} f32, {fmt_bytes(sz['adapter_bytes']['half'])} "
                      f"f16/bf16 = {sz['half_over_llc']:.1f}x the {fmt_bytes(sz['llc_bytes'])} last-level cache"
-                     + ("" if sz["layers"] == sz["layers_wanted"] else
-                        f" (capped by memory from {sz['layers_wanted']} layers)")
-                     + (f"; --sweep-layers {sz['layers']}" if sz.get("forced") else ""))
+                     + (f" (set by {sz['capped_by']}; 2x the cache wants {sz['layers_wanted']} layers)"
+                        if sz["capped_by"] else ""))
     load = meta.get("load")
     if load:
         lines.append("load from other processes: " + "; ".join(

@@ -35,7 +35,8 @@ class Rows:
             for want, have in ((self.group, w.group), (self.dtype, w.dtype), (self.name, w.name)))]
 
 
-# metrics: (rows, bw) -> (value or None, detail, the rows the value came from)
+# metrics: (rows, run) -> (value or None, detail, the rows the value came from); run: {"bw": the
+# read bandwidth per level (or None), "llc_bytes": the last-level cache}
 
 @dataclass(frozen=True)
 class Speedup:
@@ -44,7 +45,7 @@ class Speedup:
     key: str
     inverse: bool = False
 
-    def __call__(self, rows, bw):
+    def __call__(self, rows, run):
         v = rows[0].result.get("speedup", {}).get(self.key)
         return (v and 1 / v if self.inverse else v), "", rows[:1]
 
@@ -55,7 +56,7 @@ class FastestOf:
 
     keys: tuple
 
-    def __call__(self, rows, bw):
+    def __call__(self, rows, run):
         sp = rows[0].result.get("speedup", {})
         cands = {k: sp[k] for k in self.keys if k in sp}
         if not cands:
@@ -69,8 +70,8 @@ class DramShare:
     """A row's GB/s over the DRAM read bandwidth measured interleaved with it (same minutes, same
     neighbours), else the start-up figure."""
 
-    def __call__(self, rows, bw):
-        r = rows[0].result
+    def __call__(self, rows, run):
+        r, bw = rows[0].result, run["bw"]
         if not bw or "gb_per_s" not in r:
             return None, "", rows[:1]
         dram = r.get("dram_now_bytes_per_s", bw["DRAM"]["bytes_per_s"]) / 1e9
@@ -86,7 +87,7 @@ class DramShare:
 class Milliseconds:
     """One row's median time in ms (the start-up rows), with the bare interpreter's beside it."""
 
-    def __call__(self, rows, bw):
+    def __call__(self, rows, run):
         impls = rows[0].result["impls"]
         bare = impls.get("python_bare")
         return (impls["ours"]["median_s"] * 1e3,
@@ -100,7 +101,7 @@ class SlowestOver:
     keys: tuple
     torch_keys_if_used: tuple = ()  # counted only in rows where torch ran (else they are NumPy's)
 
-    def __call__(self, rows, bw):
+    def __call__(self, rows, run):
         worst, misses, used, n = None, [], [], 0
         for w in rows:
             keys = self.keys + (self.torch_keys_if_used if w.result.get("torch_used") else ())
@@ -117,6 +118,21 @@ class SlowestOver:
         if misses:
             detail += f"; {len(misses)} slower: " + "; ".join(misses[:6]) + ("; ..." if len(misses) > 6 else "")
         return worst and worst[0], detail, list(dict.fromkeys(used))
+
+
+@dataclass(frozen=True)
+class FromDram:
+    """`inner`, judged only if the row's bytes per call are >= 2x the last-level cache (else it
+    may be served from cache, and a DRAM verdict on it would be a guess)."""
+
+    inner: object
+
+    def __call__(self, rows, run):
+        b = rows[0].result.get("bytes", 0)
+        if b < 2 * run["llc_bytes"]:
+            return (None, f"not judged: {label(rows[0])} moves {fmt_bytes(b)} per token, < 2x the "
+                    f"{fmt_bytes(run['llc_bytes'])} last-level cache, so part may come from cache", rows[:1])
+        return self.inner(rows, run)
 
 
 @dataclass(frozen=True)
@@ -139,9 +155,9 @@ TARGETS = (
              Speedup("numpy_tuned"), ">=", 1.5, bar="tuned") for n in (128, 512)),
     Target("gather n512 vs NumPy naive", Rows("gather", "float32", gather_name(512)),
            Speedup("numpy_naive"), ">=", 5.0, bar="naive"),
-    Target("sweep float32 vs DRAM bandwidth", _SWEEP_F32, DramShare(), ">=", 0.8),
-    Target("sweep bfloat16 vs DRAM bandwidth", _SWEEP_BF16, DramShare(), ">=", 0.8),
-    Target("sweep bf16 vs sweep f32", _SWEEP_BF16, Speedup("ours_f32"), ">=", 1.7),
+    Target("sweep float32 vs DRAM bandwidth", _SWEEP_F32, FromDram(DramShare()), ">=", 0.8),
+    Target("sweep bfloat16 vs DRAM bandwidth", _SWEEP_BF16, FromDram(DramShare()), ">=", 0.8),
+    Target("sweep bf16 vs sweep f32", _SWEEP_BF16, FromDram(Speedup("ours_f32")), ">=", 1.7),
     Target("decode 4096x4096 r16 bf16 vs f32", _BF16_DECODE, Speedup("ours_f32"), ">=", 1.5),
     Target("decode 4096x4096 r16 bf16 vs NumPy tuned f32", _BF16_DECODE, Speedup("numpy_tuned_f32"), ">=", 3.0,
            bar="tuned"),
@@ -158,14 +174,14 @@ TARGETS = (
 )
 
 
-def evaluate(target, W, bw, busy_limit=CpuMonitor.BUSY):
+def evaluate(target, W, run, busy_limit=CpuMonitor.BUSY):
     """The verdict on one target: a dict (the JSON's "targets" entries)."""
     out = {"target": target.what, "value": None, "op": target.op, "threshold": target.threshold,
            "status": "SKIP", "detail": "not measured", "rows": []}
     rows = target.rows.select(W)
     if not rows:
         return out
-    value, detail, used = target.metric(rows, bw)
+    value, detail, used = target.metric(rows, run)
     out["rows"] = [label(w) for w in used]
     if value is None:
         out["detail"] = detail or "not measured"
@@ -182,5 +198,5 @@ def evaluate(target, W, bw, busy_limit=CpuMonitor.BUSY):
     return out
 
 
-def evaluate_all(W, bw):
-    return [evaluate(t, W, bw) for t in TARGETS]
+def evaluate_all(W, run):
+    return [evaluate(t, W, run) for t in TARGETS]

@@ -303,7 +303,10 @@ def sweep_layer_bytes(rank, w):
     return sum(rank * (rows + cols) * w for _, rows, cols in LLAMA2_7B)
 
 
-def size_sweep(llc_bytes, mem_available, forced=None, rank=SWEEP_RANK):
+QUICK_SWEEP_F32_BYTES = 256 << 20  # --quick: a CI smoke run streams at most this much per token
+
+
+def size_sweep(llc_bytes, mem_available, forced=None, quick=False, rank=SWEEP_RANK):
     """Layers of the model sweep, sized from the machine so that it measures DRAM.
 
     Its half-precision adapters (the smallest of its three rows) are at least twice the
@@ -311,16 +314,20 @@ def size_sweep(llc_bytes, mem_available, forced=None, rank=SWEEP_RANK):
     fewer than the model's 32 layers.  Memory: the float32 row holds the source arrays, our
     copies and a read buffer of the same size, and the DRAM bandwidth buffer is alive too: about
     4x the float32 adapters, kept under half the available memory (a cap that is reported).
-    `forced` (--sweep-layers) overrides the result, and is reported as such.
+    `quick` caps the float32 adapters at QUICK_SWEEP_F32_BYTES (on a large-cache machine the
+    quick sweep then stays in cache, and its DRAM targets say so instead of judging it);
+    `forced` (--sweep-layers) overrides the result.  Both are reported.
     """
     half, f32 = sweep_layer_bytes(rank, 2), sweep_layer_bytes(rank, 4)
     wanted = max(LLAMA2_7B_LAYERS, math.ceil(2 * llc_bytes / half))
-    cap = int(mem_available / 2 // (4 * f32)) if mem_available else None
-    layers = max(1, min(wanted, cap)) if cap is not None else wanted
+    caps = {"memory": int(mem_available / 2 // (4 * f32)) if mem_available else None,
+            "--quick": QUICK_SWEEP_F32_BYTES // f32 if quick else None}
+    caps = {k: v for k, v in caps.items() if v is not None and v < wanted}
+    cap_by = min(caps, key=caps.get) if caps else None
+    layers = max(1, caps[cap_by]) if cap_by else wanted
     if forced:
-        wanted = layers = forced
-    return layers, {"llc_bytes": llc_bytes, "layers_wanted": wanted, "layers_memory_cap": cap,
-                    "forced": bool(forced),
+        layers, cap_by = forced, "--sweep-layers"
+    return layers, {"llc_bytes": llc_bytes, "layers_wanted": wanted, "capped_by": cap_by,
                     "layers": layers, "adapter_bytes": {"float32": layers * f32, "half": layers * half},
                     "half_over_llc": layers * half / llc_bytes}
 
