@@ -31,11 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-try:  # an installed lora-kernels, else the checkout this script lives in (built in place)
-    import lora  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(ROOT))
+from lorabench.machine import REPO, import_lora
+
+ROOT = Path(REPO)
 
 
 def main():
@@ -49,8 +47,7 @@ def main():
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args()
 
-    import lora
-
+    lora = import_lora()
     info = lora.kernel_info()
     print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus; "
           f"python {platform.python_version()}; lora {info['version']} isa={info['isa']}")

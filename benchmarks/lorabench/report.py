@@ -1,0 +1,313 @@
+"""What a run prints and writes: the header (machine, ISA, threads, bandwidth, load), the table,
+the baselines, the targets, the JSON document and the plot; and the progress line on stderr."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from .machine import LANES, LEVELS, CpuMonitor, fmt_bytes
+from .targets import DT, TARGETS
+
+def fmt_time(s):
+    if s is None or not math.isfinite(s):
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.2f} µs" if s < 1e-5 else f"{s * 1e6:.1f} µs"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms" if s < 1e-2 else f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_range(lo, hi):
+    """min-max in the unit of the larger end."""
+    scale, unit = (1e6, "µs") if hi < 1e-3 else ((1e3, "ms") if hi < 1 else (1, "s"))
+    digits = 2 if hi * scale < 10 else 1 if hi * scale < 100 else 0
+    return f"{lo * scale:.{digits}f}-{hi * scale:.{digits}f} {unit}"
+
+
+class Progress:
+    """One status line on stderr: rewritten in place on a terminal, one line per workload otherwise."""
+
+    def __init__(self, total, enabled=True):
+        self.total, self.i, self.t0 = total, 0, time.monotonic()
+        self.tty = enabled and sys.stderr.isatty()
+        self.enabled = enabled
+        self.width = 0
+
+    def step(self, name):
+        self.i += 1
+        self.name = name
+        if self.enabled and not self.tty:
+            print(f"[{self.i:2d}/{self.total}] {time.monotonic() - self.t0:5.0f}s  {name}", file=sys.stderr, flush=True)
+        self.status(name)
+
+    def status(self, text):
+        if not self.tty:
+            return
+        line = f"[{self.i:2d}/{self.total}] {time.monotonic() - self.t0:5.0f}s  {text}"[:120]
+        sys.stderr.write("\r" + line.ljust(self.width))
+        sys.stderr.flush()
+        self.width = len(line)
+
+    def done(self):
+        if self.tty:
+            sys.stderr.write("\r" + " " * self.width + "\r")
+        if self.enabled:
+            print(f"bench: {self.total} workloads in {time.monotonic() - self.t0:.0f}s", file=sys.stderr)
+
+
+_BASE_NAMES = {
+    "numpy_naive": "NumPy naive", "numpy_tuned": "NumPy tuned", "torch": "PyTorch",
+    "numpy_group": "NumPy grouping", "gather_einsum": "gather+einsum", "torch_group": "PyTorch grouping",
+    "single": "single-adapter add_batch_to", "_dram_read": "DRAM read reference",
+    "_same_size_read": "same-size read reference", "numpy_naive_f32": "NumPy naive (f32)",
+    "numpy_tuned_f32": "NumPy tuned (f32)", "ours_f32": "ours f32", "torch_f32": "PyTorch f32",
+}
+
+
+def header_lines(meta):
+    c, k = meta["cpu"], meta["lora"]
+    cpu = c["model"]
+    if c.get("family_model"):
+        cpu += f" ({c['family_model']}" + (f", {c['microarchitecture']}" if c.get("microarchitecture") else "") + ")"
+    lines = [
+        f"lora-kernels benchmark  {meta['date']}  python {meta['python']}  numpy {meta['numpy']}"
+        f"  torch {meta['torch'] or '-'}" + ("  [--quick]" if meta["quick"] else ""),
+        f"CPU: {cpu}, {c['logical_cpus']} logical CPUs ({c['usable_cpus']} usable)"
+        + (f", {c['mhz']:.0f} MHz nominal" if c.get("mhz") else "")
+        + (f", {' '.join(c['simd_flags'])}" if c.get("simd_flags") else ""),
+        "caches: L1d {} /core, L2 {} /core, L3 {} ({}); last level {}; memory available {}".format(
+            fmt_bytes(c["caches"]["L1d"]), fmt_bytes(c["caches"]["L2"]), fmt_bytes(c["caches"]["L3"]),
+            c["caches_source"], c["llc"]["level"],
+            fmt_bytes(c["mem_available_bytes"]) if c.get("mem_available_bytes") else "unknown"),
+        f"lora {k.get('version')} ({meta['lora_path']}): isa {k.get('isa')} (available: "
+        f"{' '.join(k.get('available_isas', []))}), openmp {k.get('openmp')}, threads {k.get('threads')}, "
+        f"compiler {k.get('compiler')}",
+        f"threads: {meta['threads']} (lora {meta['lora_threads']}, NumPy BLAS {meta['blas_threads']}, "
+        f"torch {meta['torch_threads'] or '-'})",
+    ]
+    for b in meta["blas"]:
+        lines.append(f"NumPy BLAS: {b.get('internal_api')} {b.get('version')} ({b.get('architecture', '?')}, "
+                     f"{b.get('threading_layer', '?')}), {b.get('num_threads')} threads, "
+                     f"{os.path.basename(b.get('filepath', ''))}")
+    cleared = meta.get("openblas_cleared")
+    lines.append("OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE: "
+                 + (f"cleared {cleared} (re-executed)" if cleared else "not set"))
+    if meta["bandwidth"]:
+        bw = meta["bandwidth"]
+        lines.append(f"read bandwidth (C kernel lora_bench_read, {meta['threads']} threads, best of "
+                     f"{meta['bw_trials']} at start and at end): " + ", ".join(
+                         f"{lv} {bw[lv]['bytes_per_s'] / 1e9:.1f} GB/s ({fmt_bytes(bw[lv]['buffer_bytes'])})"
+                         for lv in LEVELS))
+    sz = meta.get("sweep_sizing")
+    if sz:
+        lines.append(f"model sweep: {sz['layers']} layers of Llama-2-7B shapes, rank 16: adapters "
+                     f"{fmt_bytes(sz['adapter_bytes']['float32'])} f32, {fmt_bytes(sz['adapter_bytes']['half'])} "
+                     f"f16/bf16 = {sz['half_over_llc']:.1f}x the {fmt_bytes(sz['llc_bytes'])} last-level cache"
+                     + (f" (set by {sz['capped_by']}; 2x the cache wants {sz['layers_wanted']} layers)"
+                        if sz["capped_by"] else ""))
+    load = meta.get("load")
+    if load:
+        lines.append("load from other processes: " + "; ".join(
+            f"{k} {v:.2f} CPUs" for k, v in (("at start", load.get("others_cpu_at_start")),
+                                            ("over the run", load.get("others_cpu_run")),
+                                            ("during the bandwidth runs", load.get("others_cpu_bandwidth")))
+            if v is not None)
+            + (f"; loadavg {' '.join(f'{x:.2f}' for x in load['loadavg_start'])} at start, "
+               f"{' '.join(f'{x:.2f}' for x in load['loadavg_end'])} at end" if load.get("loadavg_end") else "")
+            + f" (rows measured above {CpuMonitor.BUSY:g} CPUs are marked ! and their targets noisy)")
+    if meta.get("peak_flops"):
+        lines.append(f"compute peak (nominal): {meta['threads']} threads x {meta['cpu']['mhz'] / 1e3:.2f} GHz x "
+                     f"{LANES.get(k.get('isa'), 1) * 4} flop/cycle ({k.get('isa')}: lanes x FMA x 2 ports) = "
+                     f"{meta['peak_flops'] / 1e9:.0f} GFLOP/s")
+    return lines
+
+
+def _ratio(v):
+    if v is None:
+        return "-"
+    return f"{v:.2f}x" if v < 10 else f"{v:.1f}x" if v < 100 else f"{v:.0f}x"
+
+
+def table_lines(W):
+    head = ("workload", "dtype", "ours median", "min-max", "GB/s", "GFLOP/s", "level", "%roof",
+            "vs naive", "vs tuned", "vs torch", "other")
+    rows = []
+    for w in W:
+        r = w.result
+        if w.group == "startup" and "impls" in r:
+            continue  # their own section: startup_lines
+        if "speedup" not in r:
+            status = r.get("skip") and "skipped: " + r["skip"] or "ERROR: " + r.get("error", "?")
+            rows.append((w.name, DT[w.dtype], status))
+            continue
+        o, sp = r["impls"]["ours"], r["speedup"]
+        suffix = "_f32" if w.dtype != "float32" else ""
+        other = []
+        if w.group == "bank":
+            naive, tuned, tor = sp.get("numpy_group"), sp.get("gather_einsum"), sp.get("torch_group")
+            other.append("naive=NumPy grouping, tuned=gather+einsum" + (" (torch)" if r.get("torch_used") else " (NumPy)"))
+            other.append(f"bank/single {1 / sp['single']:.2f}x")
+        else:
+            naive, tuned, tor = sp.get("numpy_naive" + suffix), sp.get("numpy_tuned" + suffix), sp.get("torch")
+            if suffix:
+                other.append(f"vs ours f32 {_ratio(sp.get('ours_f32'))}")
+                if "torch_f32" in sp:
+                    other.append(f"vs torch f32 {_ratio(sp['torch_f32'])}")
+        busy = r.get("others_cpu")
+        if busy is not None and busy > CpuMonitor.BUSY:
+            other.append(f"! others used {busy:.1f} CPU")
+        rows.append((w.name, DT[w.dtype], fmt_time(o["median_s"]), fmt_range(o["min_s"], o["max_s"]),
+                     f"{r['gb_per_s']:.1f}", f"{r['gflop_per_s']:.1f}", r["level"],
+                     f"{r['roof_pct']:.0f}%" if "roof_pct" in r else "-",
+                     _ratio(naive), _ratio(tuned), _ratio(tor), "; ".join(other)))
+    widths = [max([len(h)] + [len(x[i]) for x in rows if len(x) == len(head)]) for i, h in enumerate(head)]
+    right = {2, 3, 4, 5, 7, 8, 9, 10}
+
+    def fmt(cells):
+        if len(cells) != len(head):
+            return f"{cells[0]:<{widths[0]}}  {cells[1]:<{widths[1]}}  {cells[2]}"
+        return "  ".join((c.rjust(wd) if i in right else c.ljust(wd)) for i, (c, wd) in enumerate(zip(cells, widths))).rstrip()
+
+    lines = [fmt(head), "  ".join("-" * wd for wd in widths)]
+    lines += [fmt(x) for x in rows]
+    return lines
+
+
+def baseline_lines(W):
+    lines = ["baseline times (median, min-max):"]
+    for w in W:
+        impls = w.result.get("impls")
+        if not impls:
+            continue
+        cells = [f"{_BASE_NAMES.get(k, k)} {fmt_time(v['median_s'])} ({fmt_range(v['min_s'], v['max_s'])})"
+                 for k, v in impls.items() if k != "ours"]
+        if cells:
+            lines.append(f"  {w.name} {DT[w.dtype]}: " + "; ".join(cells))
+    return lines
+
+
+def startup_lines(W):
+    rows = [w for w in W if w.group == "startup" and "impls" in w.result]
+    if not rows:
+        return []
+    lines = [f"start-up (fresh interpreter per run, median of {rows[0].result['runs']}, min-max):"]
+    for w in rows:
+        o, bare = w.result["impls"]["ours"], w.result["impls"]["python_bare"]
+        busy = w.result.get("others_cpu")
+        lines.append(f"  {w.name:<26} {fmt_time(o['median_s']):>9}  {fmt_range(o['min_s'], o['max_s']):>14}"
+                     f"   interpreter alone {fmt_time(bare['median_s'])}, lora's share "
+                     f"{fmt_time(o['median_s'] - bare['median_s'])}"
+                     + (f"  ! others used {busy:.1f} CPU" if busy is not None and busy > CpuMonitor.BUSY else ""))
+    return lines
+
+
+def target_lines(results, quick):
+    lines = ["targets" + (" (quick run: indicative only)" if quick else "") + ":"]
+    wd = max(len(t["target"]) for t in results)
+    for t in results:
+        v = "-" if t["value"] is None else f"{t['value']:.2f}"
+        lines.append(f"  {t['status']:<5}  {t['target']:<{wd}}  {v:>6} ({t['op']} {t['threshold']:g})"
+                     + (f"  {t['detail']}" if t["detail"] else ""))
+    return lines
+
+
+def json_doc(meta, notes, W, results):
+    return {"meta": meta, "notes": notes,
+            "workloads": [{"name": w.name, "group": w.group, "dtype": w.dtype, **w.result} for w in W],
+            "targets": results}
+
+
+def _best_torch(w):
+    """Speedup over the fastest PyTorch way of doing this row's job (None without torch)."""
+    sp = w.result["speedup"]
+    keys = ["torch", "torch_f32", "torch_group"]
+    if w.result.get("torch_used"):
+        keys.append("gather_einsum")
+    vals = [sp[k] for k in keys if k in sp]
+    return min(vals) if vals else None
+
+
+def plot(path, W, meta):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    from matplotlib.patches import Patch
+
+    done = [w for w in W if "speedup" in w.result]  # the start-up rows have no bars
+    labels = [f"{w.name} {DT[w.dtype]}" + (" !" if (w.result.get("others_cpu") or 0) > CpuMonitor.BUSY else "")
+              for w in done]
+
+    def numpy_ratio(w, kind):  # kind: "tuned" | "naive"
+        sp = w.result["speedup"]
+        if w.group == "bank":
+            return min((sp[k] for k in ("numpy_group", "gather_einsum") if k in sp), default=None) \
+                if kind == "tuned" else sp.get("numpy_group")
+        return sp.get(f"numpy_{kind}" + ("_f32" if w.dtype != "float32" else ""))
+
+    series = [("vs NumPy tuned (bank: best of grouping, gather+einsum)", lambda w: numpy_ratio(w, "tuned"), "#4c72b0"),
+              ("vs NumPy naive (bank: grouping)", lambda w: numpy_ratio(w, "naive"), "#a1c0e8"),
+              ("vs the fastest PyTorch variant", _best_torch, "#dd8452")]
+    # the targets that read one row's bar, drawn on it: (row index, series index, threshold)
+    index = {id(w): i for i, w in enumerate(done)}
+    series_of = {"tuned": 0, "naive": 1}
+    tmarks = [(index[id(w)], series_of[t.bar], t.threshold) for t in TARGETS if t.bar
+              for w in t.rows.select(done)[:1]]
+
+    n = len(done)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 0.34 * n + 2.8), sharey=True,
+                                  gridspec_kw={"width_ratios": [2.2, 1]})
+    y = np.arange(n)
+    h = 0.27
+    for j, (lab, fn, col) in enumerate(series):
+        pts = [(yy + (j - 1) * h, fn(w)) for yy, w in zip(y, done)]
+        pts = [(yy, v) for yy, v in pts if v]
+        ax.barh([p[0] for p in pts], [p[1] for p in pts], height=h, color=col, label=lab)
+    for i, j, thr in tmarks:
+        off = (j - 1) * h
+        ax.plot([thr, thr], [i + off - h / 2, i + off + h / 2], color="crimson", lw=2.5)
+    ax.plot([], [], color="crimson", lw=2.5, label="target")
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    lo, hi = ax.get_xlim()
+    ticks = [t for t in (0.01, 0.03, 0.1, 0.3, 0.5, 1, 1.5, 2, 3, 5, 10, 20, 50, 100, 300, 1000) if lo <= t <= hi]
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup of lora (x, log scale; right of 1 = lora faster)")
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize=8, frameon=False)
+    ax.grid(axis="x", which="both", alpha=0.3)
+    colors = {"L1": "#55a868", "L2": "#64b5cd", "L3": "#8172b3", "DRAM": "#c44e52"}
+    ax2.barh(y, [w.result.get("roof_pct", 0) for w in done], color=[colors[w.result["level"]] for w in done])
+    handles = [Patch(color=c, label=f"working set in {lv}") for lv, c in colors.items()]
+    handles.append(ax2.axvline(80, color="crimson", lw=1, ls="--", label="80%"))
+    ax2.axvline(100, color="black", lw=0.8)
+    ax2.set_xlabel("% of roofline")
+    ax2.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=3, fontsize=8, frameon=False)
+    ax2.grid(axis="x", alpha=0.3)
+    c, k = meta["cpu"], meta["lora"]
+    fig.suptitle(f"lora-kernels {k.get('version')} ({k.get('isa')}, {meta['threads']} threads) on {c['model']}"
+                 + (f" [{c['microarchitecture']}]" if c.get("microarchitecture") else "")
+                 + f", {c['usable_cpus']} CPUs; NumPy {meta['numpy']} "
+                 + (f"({meta['blas'][0].get('internal_api')} {meta['blas'][0].get('architecture')})" if meta["blas"] else "")
+                 + (f", torch {meta['torch']}" if meta["torch"] else "") + (" [quick]" if meta["quick"] else ""),
+                 fontsize=10)
+    fig.text(0.01, 0.005, "half-precision rows (f16, bf16) are compared with NumPy float32 and with the faster of "
+             "torch in that dtype / torch float32.  roofline: bytes / measured read bandwidth of the level the "
+             "working set lives in, or flops / nominal peak.  ! = other processes were using the CPUs.",
+             fontsize=7.5)
+    fig.tight_layout(rect=(0, 0.015, 1, 0.99))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------

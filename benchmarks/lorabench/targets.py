@@ -1,0 +1,202 @@
+"""The speed targets, as a table: each names the row(s) it reads, how it reads them (a metric),
+the comparison and the threshold.  ``evaluate`` is the one function that turns a target and the
+finished rows into a verdict: PASS, MISS, SKIP (not measured) or noisy (a row it reads was
+measured while other processes used the CPUs, so the number says little about the library).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from .machine import CpuMonitor, fmt_bytes
+from .workloads import DECODE_SHAPES, bank_name, decode_name, gather_name, prefill_name
+
+DT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "-": "-"}
+
+
+def label(w):
+    """A row's name with its short dtype (none for the start-up rows)."""
+    return w.name if w.dtype == "-" else f"{w.name} {DT[w.dtype]}"
+_OPS = {">=": operator.ge, "<=": operator.le}
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows a target reads: every finished row of `group` (None: any), `dtype` and `name`."""
+
+    group: str = None
+    dtype: str = None
+    name: str = None
+
+    def select(self, W):
+        return [w for w in W if "impls" in w.result and all(
+            want is None or want == have
+            for want, have in ((self.group, w.group), (self.dtype, w.dtype), (self.name, w.name)))]
+
+
+# metrics: (rows, run) -> (value or None, detail, the rows the value came from); run: {"bw": the
+# read bandwidth per level (or None), "llc_bytes": the last-level cache}
+
+@dataclass(frozen=True)
+class Speedup:
+    """other's median / ours of one row (``analyse``'s speedup[key]); `inverse`: ours / other."""
+
+    key: str
+    inverse: bool = False
+
+    def __call__(self, rows, run):
+        v = rows[0].result.get("speedup", {}).get(self.key)
+        return (v and 1 / v if self.inverse else v), "", rows[:1]
+
+
+@dataclass(frozen=True)
+class FastestOf:
+    """The speedup over the fastest of several baselines of one row."""
+
+    keys: tuple
+
+    def __call__(self, rows, run):
+        sp = rows[0].result.get("speedup", {})
+        cands = {k: sp[k] for k in self.keys if k in sp}
+        if not cands:
+            return None, "", rows[:1]
+        k = min(cands, key=cands.get)
+        return cands[k], f"best baseline: {k}", rows[:1]
+
+
+@dataclass(frozen=True)
+class DramShare:
+    """A row's GB/s over the DRAM read bandwidth measured interleaved with it (same minutes, same
+    neighbours), else the start-up figure."""
+
+    def __call__(self, rows, run):
+        r, bw = rows[0].result, run["bw"]
+        if not bw or "gb_per_s" not in r:
+            return None, "", rows[:1]
+        dram = r.get("dram_now_bytes_per_s", bw["DRAM"]["bytes_per_s"]) / 1e9
+        detail = (f"{r['gb_per_s']:.1f} of {dram:.1f} GB/s DRAM read bandwidth measured alongside "
+                  f"(at start-up: {bw['DRAM']['bytes_per_s'] / 1e9:.1f}")
+        if "same_size_read_bytes_per_s" in r:
+            detail += (f"; a read of the sweep's {fmt_bytes(r['bytes'])}: "
+                       f"{r['same_size_read_bytes_per_s'] / 1e9:.1f} GB/s")
+        return r["gb_per_s"] / dram, detail + ")", rows[:1]
+
+
+@dataclass(frozen=True)
+class Milliseconds:
+    """One row's median time in ms (the start-up rows), with the bare interpreter's beside it."""
+
+    def __call__(self, rows, run):
+        impls = rows[0].result["impls"]
+        bare = impls.get("python_bare")
+        return (impls["ours"]["median_s"] * 1e3,
+                bare and f"interpreter alone (python -c pass): {bare['median_s'] * 1e3:.0f} ms", rows[:1])
+
+
+@dataclass(frozen=True)
+class SlowestOver:
+    """The smallest speedup over the given baselines across every row that has one."""
+
+    keys: tuple
+    torch_keys_if_used: tuple = ()  # counted only in rows where torch ran (else they are NumPy's)
+
+    def __call__(self, rows, run):
+        worst, misses, used, n = None, [], [], 0
+        for w in rows:
+            keys = self.keys + (self.torch_keys_if_used if w.result.get("torch_used") else ())
+            for k, v in w.result.get("speedup", {}).items():
+                if k not in keys:
+                    continue
+                used.append(w)
+                n += 1
+                if worst is None or v < worst[0]:
+                    worst = (v, f"{w.name} {w.dtype} vs {k}")
+                if v < 1.0:
+                    misses.append(f"{w.name} {w.dtype} vs {k}: {v:.2f}x")
+        detail = f"{n} comparisons" + (f"; worst: {worst[1]}" if worst and not misses else "")
+        if misses:
+            detail += f"; {len(misses)} slower: " + "; ".join(misses[:6]) + ("; ..." if len(misses) > 6 else "")
+        return worst and worst[0], detail, list(dict.fromkeys(used))
+
+
+@dataclass(frozen=True)
+class FromDram:
+    """`inner`, judged only if the row's bytes per call are >= 2x the last-level cache (else it
+    may be served from cache, and a DRAM verdict on it would be a guess)."""
+
+    inner: object
+
+    def __call__(self, rows, run):
+        b = rows[0].result.get("bytes", 0)
+        if b < 2 * run["llc_bytes"]:
+            return (None, f"not judged: {label(rows[0])} moves {fmt_bytes(b)} per token, < 2x the "
+                    f"{fmt_bytes(run['llc_bytes'])} last-level cache, so part may come from cache", rows[:1])
+        return self.inner(rows, run)
+
+
+@dataclass(frozen=True)
+class Target:
+    what: str
+    rows: Rows
+    metric: object
+    op: str  # ">=" or "<="
+    threshold: float
+    bar: str = None  # plot: the bar series ("tuned" or "naive") the threshold is drawn on
+
+
+_SWEEP_F32, _SWEEP_BF16 = Rows("sweep", "float32"), Rows("sweep", "bfloat16")
+_BF16_DECODE = Rows("decode", "bfloat16", decode_name(4096, 4096, 16))
+
+TARGETS = (
+    *(Target(f"{decode_name(*s)} f32 vs NumPy tuned", Rows("decode", "float32", decode_name(*s)),
+             Speedup("numpy_tuned"), ">=", 2.0, bar="tuned") for s in DECODE_SHAPES),
+    *(Target(f"prefill b{n} f32 vs NumPy tuned", Rows("prefill", "float32", prefill_name(n)),
+             Speedup("numpy_tuned"), ">=", 1.5, bar="tuned") for n in (128, 512)),
+    Target("gather n512 vs NumPy naive", Rows("gather", "float32", gather_name(512)),
+           Speedup("numpy_naive"), ">=", 5.0, bar="naive"),
+    Target("sweep float32 vs DRAM bandwidth", _SWEEP_F32, FromDram(DramShare()), ">=", 0.8),
+    Target("sweep bfloat16 vs DRAM bandwidth", _SWEEP_BF16, FromDram(DramShare()), ">=", 0.8),
+    Target("sweep bf16 vs sweep f32", _SWEEP_BF16, FromDram(Speedup("ours_f32")), ">=", 1.7),
+    Target("decode 4096x4096 r16 bf16 vs f32", _BF16_DECODE, Speedup("ours_f32"), ">=", 1.5),
+    Target("decode 4096x4096 r16 bf16 vs NumPy tuned f32", _BF16_DECODE, Speedup("numpy_tuned_f32"), ">=", 3.0,
+           bar="tuned"),
+    *(t for n in (64, 512) for t in (
+        Target(f"bank b{n} vs best of NumPy grouping / gather+einsum", Rows("bank", "float32", bank_name(n)),
+               FastestOf(("numpy_group", "gather_einsum")), ">=", 3.0, bar="tuned"),
+        Target(f"bank b{n} time / single-adapter add_batch_to time", Rows("bank", "float32", bank_name(n)),
+               Speedup("single", inverse=True), "<=", 1.3))),
+    Target("no workload slower than PyTorch", Rows(), SlowestOver(("torch", "torch_f32", "torch_group"),
+                                                                  ("gather_einsum",)), ">=", 1.0),
+    Target("import lora, fresh interpreter (ms)", Rows("startup", name="python -c 'import lora'"),
+           Milliseconds(), "<=", 150),
+    Target("python -m lora info (ms)", Rows("startup", name="python -m lora info"), Milliseconds(), "<=", 300),
+)
+
+
+def evaluate(target, W, run, busy_limit=CpuMonitor.BUSY):
+    """The verdict on one target: a dict (the JSON's "targets" entries)."""
+    out = {"target": target.what, "value": None, "op": target.op, "threshold": target.threshold,
+           "status": "SKIP", "detail": "not measured", "rows": []}
+    rows = target.rows.select(W)
+    if not rows:
+        return out
+    value, detail, used = target.metric(rows, run)
+    out["rows"] = [label(w) for w in used]
+    if value is None:
+        out["detail"] = detail or "not measured"
+        return out
+    out["value"], out["detail"] = value, detail
+    out["status"] = "PASS" if _OPS[target.op](value, target.threshold) else "MISS"
+    loaded = [(w.result["others_cpu"], w) for w in used if (w.result.get("others_cpu") or 0) > busy_limit]
+    if loaded:
+        busy, w = max(loaded, key=lambda x: x[0])
+        why = (f"other processes used {busy:.2f} CPUs while {label(w)} was measured "
+               f"(> {busy_limit:g}" + (f"; {len(loaded)} of {len(used)} rows loaded" if len(used) > 1 else "")
+               + f"), would be {out['status']}")
+        out["status"], out["detail"] = "noisy", why + (f"; {detail}" if detail else "")
+    return out
+
+
+def evaluate_all(W, run):
+    return [evaluate(t, W, run) for t in TARGETS]

@@ -1,0 +1,129 @@
+"""Timing: a pre-bound call in a loop, calibrated samples, rounds that visit every implementation.
+
+``time.perf_counter_ns`` around a loop of calls to a pre-bound method (no other Python in the
+loop), the loop length calibrated so that one sample lasts >= ``min_sample_s``; a discarded
+warm-up before each block; ``rounds`` rounds that visit every implementation in turn,
+``samples`` samples each; reported: the median per-call time and the min-max over all samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _loop0(fn, k):
+    for _ in itertools.repeat(None, k):
+        fn()
+
+
+def _loop1(fn, a, k):
+    for _ in itertools.repeat(None, k):
+        fn(a)
+
+
+def _loop2(fn, a, b, k):
+    for _ in itertools.repeat(None, k):
+        fn(a, b)
+
+
+def _loop3(fn, a, b, c, k):
+    for _ in itertools.repeat(None, k):
+        fn(a, b, c)
+
+
+def _loop4(fn, a, b, c, d, k):
+    for _ in itertools.repeat(None, k):
+        fn(a, b, c, d)
+
+
+_LOOPS = {0: _loop0, 1: _loop1, 2: _loop2, 3: _loop3, 4: _loop4}
+
+
+class Impl:
+    """One way of computing a workload: a bound method and its arguments, called as fn(*args)."""
+
+    __slots__ = ("fn", "args", "loop", "k", "keep")
+
+    def __init__(self, fn, *args):
+        self.fn, self.args, self.loop, self.k = fn, args, _LOOPS[len(args)], 1
+        self.keep = None
+
+    def run(self, k):
+        """Wall time in seconds of k back-to-back calls."""
+        fn, args, loop = self.fn, self.args, self.loop
+        t0 = time.perf_counter_ns()
+        loop(fn, *args, k)
+        return (time.perf_counter_ns() - t0) * 1e-9
+
+
+@dataclass
+class TimingConfig:
+    min_sample_s: float
+    samples: int  # per round
+    rounds: int
+    impl_budget_s: float  # per implementation and round: fewer samples for slow ones (>= 2)
+    settle_s: float  # idle time before each block, so other libraries' pools stop spinning
+    warm_s: float = 0.02  # warm-up before each block (discarded)
+    quiet_wait_s: float = 0.0  # --wait-quiet: longest wait for idle CPUs before re-measuring a block
+    quiet_retries: int = 3
+
+
+def calibrate(impl, cfg):
+    impl.run(1)  # first touch, thread pools awake
+    t1 = impl.run(1)
+    k = max(1, math.ceil(cfg.min_sample_s / max(t1, 1e-8)))
+    if k > 1:
+        tk = impl.run(k)
+        if tk < 0.8 * cfg.min_sample_s:
+            k = max(k + 1, math.ceil(k * cfg.min_sample_s / max(tk, 1e-9)))
+    impl.k = k
+
+
+def measure(impls, cfg, progress, label, monitor=None):
+    """Per-call samples (seconds) for every impl, and the most CPU other processes took during
+    an accepted block; rounds visit the impls in turn.
+
+    Each block starts with `settle_s` of sleep: OpenBLAS's idle workers spin for ~0.1 s after a
+    call (2^28 cycles) and OpenMP's for a while too, and on a 2-core machine a spinning pool of
+    the previous library slows the next one by 10-100x.  Then a discarded warm-up (the pool
+    that slept must wake), then the samples.  With `cfg.quiet_wait_s`, a block during which
+    other processes were busy is thrown away and measured again once they are idle (at most
+    `cfg.quiet_retries` times).  `monitor` is a ``machine.CpuMonitor`` (or None).
+    """
+    samples = {name: [] for name in impls}
+    busy_max = None
+    for r in range(cfg.rounds):
+        for name, impl in impls.items():
+            for attempt in range(cfg.quiet_retries + 1):
+                progress(f"{label}: {name} (round {r + 1}/{cfg.rounds})" + (f", retry {attempt}" if attempt else ""))
+                if cfg.quiet_wait_s and monitor is not None and attempt:
+                    monitor.wait_quiet(cfg.quiet_wait_s, progress)
+                time.sleep(cfg.settle_s)
+                if monitor is not None:
+                    monitor.mark()
+                if r == 0 and attempt == 0:
+                    calibrate(impl, cfg)
+                warm, t_end = 0.0, time.perf_counter() + cfg.warm_s
+                while True:
+                    warm = impl.run(impl.k)
+                    if time.perf_counter() >= t_end:
+                        break
+                n = max(2, min(cfg.samples, int(cfg.impl_budget_s / max(warm, 1e-9))))
+                block = [impl.run(impl.k) / impl.k for _ in range(n)]
+                busy = monitor.others() if monitor is not None else None
+                if monitor is None or not cfg.quiet_wait_s or attempt == cfg.quiet_retries or monitor.quiet_enough(busy):
+                    break
+            samples[name].extend(block)
+            if busy is not None:
+                busy_max = max(busy_max or 0.0, busy)
+    return samples, busy_max
+
+
+def summarize(values):
+    v = sorted(values)
+    return {"median_s": float(np.median(v)), "min_s": v[0], "max_s": v[-1], "n": len(v)}

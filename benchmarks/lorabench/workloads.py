@@ -1,0 +1,625 @@
+"""The workloads: what each one computes through the library and through the baselines, its
+bytes / flops model, and the per-row analysis (GB/s, GFLOP/s, roofline, speedups).
+
+Bytes / flops model (compulsory traffic of one call; ``w`` = storage itemsize of A and B,
+4 for float32, 2 for float16 / bfloat16; activations and outputs are float32):
+
+* linear, ``add_to`` / ``add_batch_to`` (batch ``n``, 1 for decode):
+  bytes = rank*(rows+cols)*w  +  n*cols*4 (read x)  +  n*rows*4*2 (read and write out);
+  flops = 2*n*rank*(rows+cols)  (A@x, then B@y; the scale is O(n*rank) and not counted).
+* stack of k deltas: the sum of the k adapters' bytes and flops, x and out counted once.
+* token rows, ``add_row_to`` (n=1) / ``add_rows_to`` (n ids, u of them distinct):
+  bytes = rank*cols*w (A) + u*rank*w (rows of B) + n*cols*4*2 (out) + n*8 (ids);
+  flops = 2*n*rank*cols.
+* model sweep: the sum over its deltas of the decode model.
+* mixed batch (``LoraBank``), m positions with an adapter (id != -1), u distinct adapters used:
+  bytes = sum over used adapters of rank*(rows+cols)*w + m*(cols*4 + rows*4*2) + n*8 (ids);
+  flops = 2*m*rank*(rows+cols).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import startup
+from .machine import level_for, make_reader
+from .timing import Impl, measure, summarize
+
+
+class Skip(Exception):
+    """A workload this build or environment cannot run (not an error)."""
+
+
+@dataclass
+class Built:
+    impls: dict  # name -> Impl; "ours" first
+    bytes: int
+    flops: int
+    check: tuple = None  # (ours_fn, reference_fn, tolerance): each returns a fresh result array
+
+
+@dataclass(eq=False)
+class Workload:
+    name: str
+    group: str
+    dtype: str
+    build: object  # ctx -> Built; or, with `run`, None
+    key: str = ""  # shape key shared by the float32 twin of a half-precision row
+    result: dict = field(default_factory=dict)
+    run: object = None  # (ctx, cfg, status, monitor) -> result dict: rows not timed by timing.measure
+
+
+def _rand(rng, shape, amp):
+    a = rng.random(shape, dtype=np.float32)
+    a -= 0.5
+    a *= 2 * amp
+    return a
+
+
+def _pair(rng, rows, cols, rank):
+    """A [rank, cols], B [rows, rank] with values of realistic size (|A x| ~ 1, |delta| ~ 1e-2)."""
+    return _rand(rng, (rank, cols), 1.7 / math.sqrt(cols)), _rand(rng, (rows, rank), 0.02)
+
+
+def _half_torch(torch, dtype):
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+
+def _make_delta(lora, a, b, dtype, rank):
+    """A LoraDelta with effective scale 2 (alpha = 2*rank); Skip if this build lacks the dtype."""
+    try:
+        d = lora.LoraDelta(a, b, alpha=2.0 * rank, dtype=dtype)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        if dtype != "float32":
+            raise Skip(f"LoraDelta(dtype={dtype!r}) not supported by this build: {e}") from None
+        raise
+    return d
+
+
+def _scale_of(d, rank):
+    s = getattr(d, "effective_scale", None)
+    return float(s) if s is not None else 2.0
+
+
+def linear_model(rows, cols, ranks, n, w):
+    nbytes = sum(r * (rows + cols) * w for r in ranks) + n * cols * 4 + n * rows * 8
+    flops = sum(2 * n * r * (rows + cols) for r in ranks)
+    return nbytes, flops
+
+
+def numpy_decode_naive(calls):
+    """NumPy naive decode of (A, B, s, x, out) calls: out += s * (B @ (A @ x))."""
+    for a, b, s, x, o in calls:
+        o += s * (b @ (a @ x))
+
+
+def numpy_decode_tuned(calls, mm=np.matmul, add=np.add, mul=np.multiply):
+    """NumPy tuned decode of (A, B, s, x, out, y, z) calls, y and z preallocated."""
+    for a, b, s, x, o, y, z in calls:
+        mm(a, x, out=y)
+        mul(y, s, out=y)
+        mm(b, y, out=z)
+        add(o, z, out=o)
+
+
+def build_linear(ctx, rows, cols, ranks, batch, dtype):
+    """decode (batch None: add_to on 1-D), prefill (add_batch_to) and stacks (len(ranks) > 1)."""
+    lora, torch, rng = ctx.lora, ctx.torch, ctx.rng
+    pairs = [_pair(rng, rows, cols, r) for r in ranks]
+    deltas = [_make_delta(lora, a, b, dtype, r) for (a, b), r in zip(pairs, ranks)]
+    ours = deltas[0] if len(deltas) == 1 else lora.LoraStack(deltas)
+    scales = [_scale_of(d, r) for d, r in zip(deltas, ranks)]
+    n = 1 if batch is None else batch
+    xshape = (cols,) if batch is None else (batch, cols)
+    oshape = (rows,) if batch is None else (batch, rows)
+    x = _rand(rng, xshape, 1.0)
+
+    def zeros():
+        return np.zeros(oshape, np.float32)
+
+    out = zeros()
+    method = ours.add_to if batch is None else ours.add_batch_to
+    impls = {"ours": Impl(method, x, out)}
+    mm, add, mul = np.matmul, np.add, np.multiply
+    trip = [(a, b, s) for (a, b), s in zip(pairs, scales)]
+
+    if dtype == "float32":
+        o_naive, o_tuned = zeros(), zeros()
+        if batch is None:
+            impls["numpy_naive"] = Impl(numpy_decode_naive, [(a, b, s, x, o_naive) for a, b, s in trip])
+            impls["numpy_tuned"] = Impl(numpy_decode_tuned, [
+                (a, b, s, x, o_tuned, np.empty(a.shape[0], np.float32), np.empty(rows, np.float32))
+                for a, b, s in trip])
+        else:
+            def naive(o=o_naive, x=x, trip=trip):
+                for a, b, s in trip:
+                    o += s * ((x @ a.T) @ b.T)
+
+            bufs = [(a.T, b.T, s, np.empty((batch, a.shape[0]), np.float32), np.empty(oshape, np.float32))
+                    for a, b, s in trip]
+
+            def tuned(o=o_tuned, x=x, bufs=bufs, mm=mm, add=add, mul=mul):
+                for at, bt, s, y, z in bufs:
+                    mm(x, at, out=y)
+                    mul(y, s, out=y)
+                    mm(y, bt, out=z)
+                    add(o, z, out=o)
+
+            impls["numpy_naive"] = Impl(naive)
+            impls["numpy_tuned"] = Impl(tuned)
+
+    if torch is not None:
+        o_t = torch.from_numpy(zeros())
+        x_t = torch.from_numpy(x)
+        tm = torch.matmul
+        if dtype == "float32":
+            if batch is None:
+                tb = [(torch.from_numpy(a), torch.from_numpy(b), s, torch.empty(a.shape[0])) for a, b, s in trip]
+
+                def torch_fn(o=o_t, x=x_t, tb=tb, tm=tm):
+                    for a, b, s, y in tb:
+                        tm(a, x, out=y)
+                        o.addmv_(b, y, alpha=s)
+            else:
+                tb = [(torch.from_numpy(a).T, torch.from_numpy(b).T, s, torch.empty(batch, a.shape[0]))
+                      for a, b, s in trip]
+
+                def torch_fn(o=o_t, x=x_t, tb=tb, tm=tm):
+                    for at, bt, s, y in tb:
+                        tm(x, at, out=y)
+                        o.addmm_(y, bt, alpha=s)
+        else:
+            hd = _half_torch(torch, dtype)
+            xh = torch.empty(xshape, dtype=hd)
+            if batch is None:
+                tb = [(torch.from_numpy(a).to(hd), torch.from_numpy(b).to(hd), s,
+                       torch.empty(a.shape[0], dtype=hd), torch.empty(rows, dtype=hd)) for a, b, s in trip]
+
+                def torch_fn(o=o_t, x=x_t, xh=xh, tb=tb, tm=tm):
+                    xh.copy_(x)
+                    for a, b, s, y, z in tb:
+                        tm(a, xh, out=y)
+                        tm(b, y, out=z)
+                        o.add_(z, alpha=s)
+            else:
+                tb = [(torch.from_numpy(a).to(hd).T, torch.from_numpy(b).to(hd).T, s,
+                       torch.empty(batch, a.shape[0], dtype=hd), torch.empty(oshape, dtype=hd))
+                      for a, b, s in trip]
+
+                def torch_fn(o=o_t, x=x_t, xh=xh, tb=tb, tm=tm):
+                    xh.copy_(x)
+                    for at, bt, s, y, z in tb:
+                        tm(xh, at, out=y)
+                        tm(y, bt, out=z)
+                        o.add_(z, alpha=s)
+
+        impls["torch"] = Impl(torch_fn)
+
+    def ours_once():
+        o = zeros()
+        method(x, o)
+        return o
+
+    def ref_once():
+        o = np.zeros(oshape, np.float64)
+        x64 = x.astype(np.float64)
+        for a, b, s in trip:
+            if batch is None:
+                o += s * (b.astype(np.float64) @ (a.astype(np.float64) @ x64))
+            else:
+                o += s * ((x64 @ a.T.astype(np.float64)) @ b.T.astype(np.float64))
+        return o
+
+    w = 4 if dtype == "float32" else 2
+    nbytes, flops = linear_model(rows, cols, ranks, n, w)
+    return Built(impls, nbytes, flops, (ours_once, ref_once, _TOL[dtype]))
+
+
+# relative-norm tolerance of the sanity check against float64 (half storage rounds A and B)
+_TOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def build_gather(ctx, vocab, dim, rank, n):
+    """Token-embedding deltas: add_row_to (n == 1) or add_rows_to (n ids)."""
+    lora, torch, rng = ctx.lora, ctx.torch, ctx.rng
+    a, b = _pair(rng, vocab, dim, rank)  # A [rank, dim], B [vocab, rank]: row t of s B A
+    d = _make_delta(lora, a, b, "float32", rank)
+    s = _scale_of(d, rank)
+    mm, add, mul = np.matmul, np.add, np.multiply
+    if n == 1:
+        r = int(rng.integers(vocab))
+        oshape = (dim,)
+        method, first = d.add_row_to, r
+        ids_count = 1
+    else:
+        ids = rng.integers(0, vocab, size=n, dtype=np.int64)
+        oshape = (n, dim)
+        method, first = d.add_rows_to, ids
+        ids_count = len(np.unique(ids))
+
+    def zeros():
+        return np.zeros(oshape, np.float32)
+
+    impls = {"ours": Impl(method, first, zeros())}
+    if n == 1:
+        def naive(o=zeros(), a=a, b=b, r=r, s=s):
+            o += s * (b[r] @ a)
+
+        g, z = np.empty(rank, np.float32), np.empty(dim, np.float32)
+
+        def tuned(o=zeros(), a=a, b=b, r=r, s=s, g=g, z=z):
+            mul(b[r], s, out=g)
+            mm(g, a, out=z)
+            add(o, z, out=o)
+    else:
+        def naive(o=zeros(), a=a, b=b, ids=ids, s=s):
+            o += s * (b[ids] @ a)
+
+        g, z = np.empty((n, rank), np.float32), np.empty(oshape, np.float32)
+
+        def tuned(o=zeros(), a=a, b=b, ids=ids, s=s, g=g, z=z, take=np.take):
+            take(b, ids, axis=0, out=g)
+            mul(g, s, out=g)
+            mm(g, a, out=z)
+            add(o, z, out=o)
+    impls["numpy_naive"] = Impl(naive)
+    impls["numpy_tuned"] = Impl(tuned)
+    if torch is not None:
+        a_t, b_t = torch.from_numpy(a), torch.from_numpy(b)
+        if n == 1:
+            def torch_fn(o=torch.from_numpy(zeros()), at=a_t.T, b=b_t, r=r, s=s):
+                o.addmv_(at, b[r], alpha=s)
+        else:
+            def torch_fn(o=torch.from_numpy(zeros()), a=a_t, b=b_t, ids=torch.from_numpy(ids), s=s,
+                         g=torch.empty(n, rank), sel=torch.index_select):
+                sel(b, 0, ids, out=g)
+                o.addmm_(g, a, alpha=s)
+        impls["torch"] = Impl(torch_fn)
+
+    def ours_once():
+        o = zeros()
+        method(first, o)
+        return o
+
+    def ref_once():
+        rows_ = b[first] if n == 1 else b[ids]
+        return s * (rows_.astype(np.float64) @ a.astype(np.float64))
+
+    nbytes = rank * dim * 4 + ids_count * rank * 4 + n * dim * 8 + (n * 8 if n > 1 else 0)
+    return Built(impls, nbytes, 2 * n * rank * dim, (ours_once, ref_once, _TOL["float32"]))
+
+
+LLAMA2_7B = (("q", 4096, 4096), ("k", 4096, 4096), ("v", 4096, 4096), ("o", 4096, 4096),
+             ("gate", 11008, 4096), ("up", 11008, 4096), ("down", 4096, 11008))
+LLAMA2_7B_LAYERS = 32
+SWEEP_RANK = 16
+
+
+def sweep_layer_bytes(rank, w):
+    """Adapter bytes of one layer of the sweep, A and B stored with itemsize w."""
+    return sum(rank * (rows + cols) * w for _, rows, cols in LLAMA2_7B)
+
+
+QUICK_SWEEP_F32_BYTES = 256 << 20  # --quick: a CI smoke run streams at most this much per token
+
+
+def size_sweep(llc_bytes, mem_available, forced=None, quick=False, rank=SWEEP_RANK):
+    """Layers of the model sweep, sized from the machine so that it measures DRAM.
+
+    Its half-precision adapters (the smallest of its three rows) are at least twice the
+    last-level cache, so a token finds none of them left in cache from the previous one; never
+    fewer than the model's 32 layers.  Memory: the float32 row holds the source arrays, our
+    copies and a read buffer of the same size, and the DRAM bandwidth buffer is alive too: about
+    4x the float32 adapters, kept under half the available memory (a cap that is reported).
+    `quick` caps the float32 adapters at QUICK_SWEEP_F32_BYTES (on a large-cache machine the
+    quick sweep then stays in cache, and its DRAM targets say so instead of judging it);
+    `forced` (--sweep-layers) overrides the result.  Both are reported.
+    """
+    half, f32 = sweep_layer_bytes(rank, 2), sweep_layer_bytes(rank, 4)
+    wanted = max(LLAMA2_7B_LAYERS, math.ceil(2 * llc_bytes / half))
+    caps = {"memory": int(mem_available / 2 // (4 * f32)) if mem_available else None,
+            "--quick": QUICK_SWEEP_F32_BYTES // f32 if quick else None}
+    caps = {k: v for k, v in caps.items() if v is not None and v < wanted}
+    cap_by = min(caps, key=caps.get) if caps else None
+    layers = max(1, caps[cap_by]) if cap_by else wanted
+    if forced:
+        layers, cap_by = forced, "--sweep-layers"
+    return layers, {"llc_bytes": llc_bytes, "layers_wanted": wanted, "capped_by": cap_by,
+                    "layers": layers, "adapter_bytes": {"float32": layers * f32, "half": layers * half},
+                    "half_over_llc": layers * half / llc_bytes}
+
+
+def sweep_pairs(ctx, layers, rank):
+    """The float32 adapters of the sweep, shared by its float32/f16/bf16 rows (cached)."""
+    key = ("sweep", layers, rank)
+    if key not in ctx.cache:
+        rng = np.random.default_rng(7)
+        ctx.cache[key] = [(rows, cols, *_pair(rng, rows, cols, rank))
+                          for _ in range(layers) for _, rows, cols in LLAMA2_7B]
+    return ctx.cache[key]
+
+
+def build_sweep(ctx, layers, rank, dtype):
+    """One decode token through every adapted projection of a Llama-2-7B-shaped model."""
+    lora, torch = ctx.lora, ctx.torch
+    pairs = sweep_pairs(ctx, layers, rank)
+    rng = np.random.default_rng(8)
+    xs = {c: _rand(rng, (c,), 1.0) for c in (4096, 11008)}
+
+    def outs():
+        return {r: np.zeros(r, np.float32) for r in (4096, 11008)}
+
+    deltas = [_make_delta(lora, a, b, dtype, rank) for _, _, a, b in pairs]
+    s = _scale_of(deltas[0], rank)
+    o_ours = outs()
+    calls = [(d.add_to, xs[cols], o_ours[rows]) for d, (rows, cols, _, _) in zip(deltas, pairs)]
+
+    def ours(calls=calls):
+        for f, x, o in calls:
+            f(x, o)
+
+    w = 4 if dtype == "float32" else 2
+    nbytes = flops = 0
+    for rows, cols, _, _ in pairs:
+        b_, f_ = linear_model(rows, cols, [rank], 1, w)
+        nbytes, flops = nbytes + b_, flops + f_
+    impls = {"ours": Impl(ours)}
+    if ctx.dram_reader is not None:  # references, not baselines, measured alongside the sweep:
+        impls["_dram_read"] = ctx.dram_reader  # DRAM read bandwidth right now (the target's)
+        # and a read of as many bytes as the sweep moves (its roof: part of them may stay in L3)
+        impls["_same_size_read"] = make_reader(np.ones(nbytes // 4 // 64 * 64, np.float32), ctx.threads)
+    if dtype == "float32":
+        o_n, o_t = outs(), outs()
+        y, zs = np.empty(rank, np.float32), {r: np.empty(r, np.float32) for r in (4096, 11008)}
+        impls["numpy_naive"] = Impl(numpy_decode_naive, [(a, b, s, xs[cols], o_n[rows]) for rows, cols, a, b in pairs])
+        impls["numpy_tuned"] = Impl(numpy_decode_tuned, [(a, b, s, xs[cols], o_t[rows], y, zs[rows])
+                                                          for rows, cols, a, b in pairs])
+    if torch is not None:
+        xt = {c: torch.from_numpy(v) for c, v in xs.items()}
+        ot = {r: torch.from_numpy(v) for r, v in outs().items()}
+        tm = torch.matmul
+        if dtype == "float32":
+            y = torch.empty(rank)
+            tcalls = [(torch.from_numpy(a), torch.from_numpy(b), xt[cols], ot[rows]) for rows, cols, a, b in pairs]
+
+            def torch_fn(calls=tcalls, s=s, y=y, tm=tm):
+                for a, b, x, o in calls:
+                    tm(a, x, out=y)
+                    o.addmv_(b, y, alpha=s)
+        else:
+            hd = _half_torch(torch, dtype)
+            xh = {c: torch.empty(c, dtype=hd) for c in xs}
+            y = torch.empty(rank, dtype=hd)
+            zh = {r: torch.empty(r, dtype=hd) for r in ot}
+            tcalls = [(torch.from_numpy(a).to(hd), torch.from_numpy(b).to(hd), xh[cols], ot[rows], zh[rows])
+                      for rows, cols, a, b in pairs]
+            pairs_x = [(xh[c], xt[c]) for c in xs]
+
+            def torch_fn(calls=tcalls, s=s, y=y, tm=tm, pairs_x=pairs_x):
+                for h, f in pairs_x:  # the two activations, converted once per token
+                    h.copy_(f)
+                for a, b, x, o, z in calls:
+                    tm(a, x, out=y)
+                    tm(b, y, out=z)
+                    o.add_(z, alpha=s)
+        impls["torch"] = Impl(torch_fn)
+
+    def ours_once():  # the first layer's seven projections, into one concatenated output
+        res = []
+        for d, (rows, cols, _, _) in list(zip(deltas, pairs))[:7]:
+            o = np.zeros(rows, np.float32)
+            d.add_to(xs[cols], o)
+            res.append(o)
+        return np.concatenate(res)
+
+    def ref_once():
+        return np.concatenate([s * (b.astype(np.float64) @ (a.astype(np.float64) @ xs[cols]))
+                               for rows, cols, a, b in pairs[:7]])
+
+    return Built(impls, nbytes, flops, (ours_once, ref_once, _TOL[dtype]))
+
+
+def build_bank(ctx, n_adapters, rows, cols, rank, batch):
+    """Mixed batch: position b gets adapter ids[b] (-1: none), vs grouping and gather+einsum."""
+    lora, torch = ctx.lora, ctx.torch
+    if not hasattr(lora, "LoraBank"):
+        raise Skip("lora.LoraBank not in this build")
+    rng = ctx.rng
+    pairs = [_pair(rng, rows, cols, rank) for _ in range(n_adapters)]
+    deltas = [_make_delta(lora, a, b, "float32", rank) for a, b in pairs]
+    s = _scale_of(deltas[0], rank)
+    bank = lora.LoraBank(deltas)
+    ids = rng.integers(-1, n_adapters, size=batch, dtype=np.int64)
+    x = _rand(rng, (batch, cols), 1.0)
+
+    def zeros():
+        return np.zeros((batch, rows), np.float32)
+
+    impls = {"ours": Impl(bank.add_batch_to, x, zeros(), ids),
+             "single": Impl(deltas[0].add_batch_to, x, zeros())}
+
+    def numpy_group(x=x, o=zeros(), ids=ids, pairs=pairs, s=s):
+        for u in np.unique(ids):
+            if u < 0:
+                continue
+            idx = np.flatnonzero(ids == u)
+            a, b = pairs[u]
+            o[idx] += s * ((x[idx] @ a.T) @ b.T)
+
+    impls["numpy_group"] = Impl(numpy_group)
+    if torch is not None:
+        # vLLM's CPU LoRA path (lora/ops/torch_ops): gather each token's adapter, then einsum;
+        # slot n_adapters is all zeros and stands for -1.
+        a_all = torch.stack([torch.from_numpy(a) for a, _ in pairs] + [torch.zeros(rank, cols)])
+        b_all = torch.stack([torch.from_numpy(b) for _, b in pairs] + [torch.zeros(rows, rank)])
+        ids_t, x_t = torch.from_numpy(ids), torch.from_numpy(x)
+
+        def gather_einsum(x=x_t, o=torch.from_numpy(zeros()), ids=ids_t, a_all=a_all, b_all=b_all, s=s):
+            slot = torch.where(ids < 0, n_adapters, ids)
+            y = torch.einsum("bc,brc->br", x, a_all[slot])
+            o.add_(torch.einsum("br,bor->bo", y, b_all[slot]), alpha=s)
+
+        tp = [(torch.from_numpy(a).T, torch.from_numpy(b).T) for a, b in pairs]
+
+        def torch_group(x=x_t, o=torch.from_numpy(zeros()), ids=ids_t, tp=tp, s=s):
+            # PEFT's mixed-batch forward: one sub-batch per adapter
+            for u in torch.unique(ids).tolist():
+                if u < 0:
+                    continue
+                idx = torch.nonzero(ids == u).squeeze(1)
+                at, bt = tp[u]
+                o.index_add_(0, idx, (x[idx] @ at) @ bt, alpha=s)
+
+        impls["gather_einsum"] = Impl(gather_einsum)
+        impls["torch_group"] = Impl(torch_group)
+    else:
+        a_all = np.stack([a for a, _ in pairs] + [np.zeros((rank, cols), np.float32)])
+        b_all = np.stack([b for _, b in pairs] + [np.zeros((rows, rank), np.float32)])
+
+        def gather_einsum(x=x, o=zeros(), ids=ids, a_all=a_all, b_all=b_all, s=s):
+            slot = np.where(ids < 0, n_adapters, ids)
+            y = np.einsum("bc,brc->br", x, a_all[slot])
+            o += s * np.einsum("br,bor->bo", y, b_all[slot])
+
+        impls["gather_einsum"] = Impl(gather_einsum)
+
+    def ours_once():
+        o = zeros()
+        bank.add_batch_to(x, o, ids)
+        return o
+
+    def ref_once():
+        o = np.zeros((batch, rows), np.float64)
+        for i, u in enumerate(ids):
+            if u >= 0:
+                a, b = pairs[u]
+                o[i] = s * (b.astype(np.float64) @ (a.astype(np.float64) @ x[i]))
+        return o
+
+    used = [u for u in np.unique(ids) if u >= 0]
+    m = int(np.count_nonzero(ids >= 0))
+    nbytes = len(used) * rank * (rows + cols) * 4 + m * (cols * 4 + rows * 8) + batch * 8
+    return Built(impls, nbytes, 2 * m * rank * (rows + cols), (ours_once, ref_once, _TOL["float32"]))
+
+
+DECODE_SHAPES = ((4096, 4096, 8), (4096, 4096, 16), (4096, 4096, 64), (11008, 4096, 16), (4096, 11008, 16))
+PREFILL_BATCHES = (1, 8, 32, 128, 512)
+GATHER = (32000, 4096, 16)
+BANK_BATCHES = (64, 512)
+
+
+def decode_name(rows, cols, rank):
+    return f"decode {rows}x{cols} r{rank}"
+
+
+def prefill_name(batch):
+    return f"prefill b{batch} 4096x4096 r16"
+
+
+def gather_name(n):
+    return f"gather n{n} {GATHER[0]}x{GATHER[1]} r{GATHER[2]}"
+
+
+def bank_name(batch):
+    return f"bank 8x r16 b{batch} 4096x4096"
+
+
+def workloads(sweep_layers, startup_runs):
+    W = [Workload(name, "startup", "-", None, run=lambda ctx, cfg, status, monitor, args=args:
+                  startup.measure(ctx.lora, args, startup_runs, status, monitor, cfg.settle_s))
+         for name, args in startup.COMMANDS.items()]
+
+    def add(name, group, dtype, build, key=""):
+        W.append(Workload(name, group, dtype, build, key))
+
+    for dtype in ("float32", "float16", "bfloat16"):
+        for rows, cols, r in DECODE_SHAPES:
+            key = decode_name(rows, cols, r)
+            add(key, "decode", dtype, lambda c, a=(rows, cols, [r], None, dtype): build_linear(c, *a), key)
+        for n in PREFILL_BATCHES:
+            key = prefill_name(n)
+            add(key, "prefill", dtype, lambda c, a=(4096, 4096, [16], n, dtype): build_linear(c, *a), key)
+        if dtype == "float32":
+            for n in (1, 512):
+                add(gather_name(n), "gather", dtype, lambda c, n=n: build_gather(c, *GATHER[:2], GATHER[2], n))
+            add("stack 4x r16 b1 4096x4096", "stack", dtype, lambda c: build_linear(c, 4096, 4096, [16] * 4, None, "float32"))
+            add("stack 4x r16 b128 4096x4096", "stack", dtype,
+                lambda c: build_linear(c, 4096, 4096, [16] * 4, 128, "float32"))
+        key = f"sweep llama2-7b {sweep_layers}L r{SWEEP_RANK}"
+        add(key, "sweep", dtype, lambda c, d=dtype: build_sweep(c, sweep_layers, SWEEP_RANK, d), key)
+    for n in BANK_BATCHES:
+        add(bank_name(n), "bank", "float32", lambda c, n=n: build_bank(c, 8, 4096, 4096, 16, n))
+    return W
+
+
+@dataclass
+class Ctx:
+    lora: object
+    torch: object
+    rng: object
+    dram_reader: object = None  # Impl reading the DRAM-sized buffer once (or None)
+    threads: int = 1
+    cache: dict = field(default_factory=dict)
+
+
+def rel_err(ours, ref):
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(np.asarray(ours, np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def run_workload(wl, ctx, cfg, status, monitor=None):
+    """Check the row's result against float64 once, then time every implementation."""
+    if wl.run is not None:
+        return wl.run(ctx, cfg, status, monitor)
+    built = wl.build(ctx)
+    ours_once, ref_once, tol = built.check
+    err = rel_err(ours_once(), ref_once())
+    res = {"bytes": built.bytes, "flops": built.flops, "check_rel_err": err}
+    if not err <= tol:
+        raise AssertionError(f"result differs from the float64 reference: relative error {err:.2e} > {tol:.0e}")
+    samples, res["others_cpu"] = measure(built.impls, cfg, status, wl.name, monitor)
+    res["impls"] = {name: {**summarize(v), "calls_per_sample": built.impls[name].k} for name, v in samples.items()}
+    for name, impl in built.impls.items():
+        if impl.keep is not None:  # a read reference: record its size
+            res["impls"][name]["bytes"] = impl.keep.nbytes
+    return res
+
+
+def analyse(wl, res, bw, peak, threads, caches, by_key):
+    """GB/s, GFLOP/s, roofline and speedups of one finished workload (in place).
+
+    The roofline: a working set lives in the smallest level that holds it (``level_for``); the
+    lower bound of a call's time is max(bytes / bandwidth(level), flops / peak); "% roof" is that
+    bound over the measured median.  The sweep's bandwidth is that of a read of its own size
+    measured alongside it."""
+    t = res["impls"]["ours"]["median_s"]
+    res["gb_per_s"] = res["bytes"] / t / 1e9
+    res["gflop_per_s"] = res["flops"] / t / 1e9
+    level = level_for(res["bytes"], threads, caches)
+    res["level"] = level
+    for ref, key in (("_dram_read", "dram_now_bytes_per_s"), ("_same_size_read", "same_size_read_bytes_per_s")):
+        if ref in res["impls"]:
+            r = res["impls"][ref]
+            res[key] = r["bytes"] / r["median_s"]
+    if bw:
+        level_bw = res.get("same_size_read_bytes_per_s", bw[level]["bytes_per_s"])
+        bound = res["bytes"] / level_bw
+        binds = "memory"
+        if peak and res["flops"] / peak > bound:
+            bound, binds = res["flops"] / peak, "compute"
+        res["roof_time_s"], res["roof_binds"] = bound, binds
+        res["roof_pct"] = 100.0 * bound / t
+    sp = {}
+    for name, r in res["impls"].items():
+        if name != "ours" and not name.startswith("_"):
+            sp[name] = r["median_s"] / t
+    twin = by_key.get(wl.key) if wl.dtype != "float32" else None
+    if twin is not None and "impls" in twin.result:
+        for name in ("numpy_naive", "numpy_tuned", "torch"):
+            if name in twin.result["impls"]:
+                sp[name + "_f32"] = twin.result["impls"][name]["median_s"] / t
+        sp["ours_f32"] = twin.result["impls"]["ours"]["median_s"] / t
+    res["speedup"] = sp
