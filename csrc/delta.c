@@ -54,6 +54,7 @@ lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, 
     if (!d) return NULL;
     d->dtype = dtype;
     d->rank = rank, d->rows = rows, d->cols = cols, d->lda = lda, d->ldb = ldb;
+    d->owned = 1;
     d->a = lora_aligned_alloc((size_t)(rank * lda) * isz);
     d->bt = lora_aligned_alloc((size_t)(rank * ldb) * isz);
     if (!d->a || !d->bt) {
@@ -80,15 +81,46 @@ lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, 
     return d;
 }
 
+lora_delta *lora_delta_view(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
+                            int64_t lda, int a_by_row, const void *b, int64_t ldb, int b_by_row) {
+    if (dtype < LORA_DTYPE_F32 || dtype > LORA_DTYPE_BF16 || rank < 1 || rows < 1 || cols < 1 ||
+        !a || !b)
+        return NULL;
+    /* each row must hold its values: A rows of cols (A^T rows of rank), B^T rows of rows (B
+     * rows of rank) */
+    if (lda < (a_by_row ? rank : cols) || ldb < (b_by_row ? rank : rows)) return NULL;
+    lora_delta *d = (lora_delta *)calloc(1, sizeof *d);
+    if (!d) return NULL;
+    d->dtype = dtype;
+    d->rank = rank, d->rows = rows, d->cols = cols, d->lda = lda, d->ldb = ldb;
+    d->a = (void *)a, d->bt = (void *)b;
+    d->a_by_row = a_by_row != 0, d->b_by_row = b_by_row != 0;
+    d->owned = 0;
+    return d;
+}
+
 void lora_delta_free(lora_delta *d) {
     if (!d) return;
-    lora_aligned_free(d->a);
-    lora_aligned_free(d->bt);
+    if (d->owned) {
+        lora_aligned_free(d->a);
+        lora_aligned_free(d->bt);
+    }
     free(d);
 }
 
 void lora_delta_export(const lora_delta *d, void *a, void *b) {
     const size_t isz = lora_dtype_size(d->dtype);
+    if (!d->owned) { /* a view: element by element, whatever its layout */
+        for (int64_t k = 0; k < d->rank; k++)
+            for (int64_t j = 0; j < d->cols; j++)
+                memcpy((char *)a + (size_t)(k * d->cols + j) * isz,
+                       (const char *)d->a + (size_t)(d->a_by_row ? j * d->lda + k : k * d->lda + j) * isz, isz);
+        for (int64_t i = 0; i < d->rows; i++)
+            for (int64_t k = 0; k < d->rank; k++)
+                memcpy((char *)b + (size_t)(i * d->rank + k) * isz,
+                       (const char *)d->bt + (size_t)(d->b_by_row ? i * d->ldb + k : k * d->ldb + i) * isz, isz);
+        return;
+    }
     for (int64_t k = 0; k < d->rank; k++)
         memcpy((char *)a + (size_t)(k * d->cols) * isz, (const char *)d->a + (size_t)(k * d->lda) * isz,
                (size_t)d->cols * isz);

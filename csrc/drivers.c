@@ -148,6 +148,7 @@ static void run_block_(const plan_ *p, int64_t blk, const scratch_ *sc, int tid,
         const lora_delta *d = p->deltas[q];
         tm->m = gather ? d->a : d->bt;
         tm->ldm = gather ? d->lda : d->ldb;
+        tm->by_row = gather ? d->a_by_row : d->b_by_row;
         tm->kdim = d->rank;
         tm->dtype = d->dtype;
         tm->u = sc->t + off;
@@ -165,7 +166,8 @@ static void run_block_(const plan_ *p, int64_t blk, const scratch_ *sc, int tid,
             float *u = (float *)sc->terms[q].u;
             for (int b = 0; b < nb; b++)
                 for (int64_t k = 0; k < d->rank; k++)
-                    u[b * d->rank + k] = lora_load_f32(d->bt, k * d->ldb + tok[b], d->dtype);
+                    u[b * d->rank + k] = lora_load_f32(
+                        d->bt, d->b_by_row ? tok[b] * d->ldb + k : k * d->ldb + tok[b], d->dtype);
         }
         lora_split(p->cols, tid, nt, 16, &lo, &hi);
         if (lo < hi) p->kt->accumulate[p->out_dtype](sc->terms, n_terms, lo, hi, nb, outs);
@@ -323,7 +325,8 @@ static int widen_plan_(plan_ *p, lora_delta **wide, const lora_delta ***use) {
         for (int64_t q = p->first[e]; q < p->first[e + 1]; q++) {
             const lora_delta *d = p->deltas[q];
             (*use)[q] = d;
-            if (d->dtype == LORA_DTYPE_F32 || count[e] < LORA_WIDEN_MIN || p->scales[q] == 0.0)
+            if (d->dtype == LORA_DTYPE_F32 || !d->owned || count[e] < LORA_WIDEN_MIN ||
+                p->scales[q] == 0.0)
                 continue;
             const int64_t na = d->rank * d->lda, nb = d->rank * d->ldb;
             float *buf = (float *)lora_aligned_alloc((size_t)(na + nb) * sizeof(float));
@@ -431,6 +434,8 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
         return LORA_ERR_OVERLAP;
     if ((uintptr_t)entry_ids % sizeof(int64_t) || (uintptr_t)pos_scales % sizeof(double))
         return LORA_ERR_ALIGN;
+    for (int64_t q = 0; n_entries > 0 && q < first[n_entries]; q++)
+        if (deltas[q] && deltas[q]->a_by_row) return LORA_ERR_ARG; /* a gather-only view */
     plan_ p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf;
     int st = plan_call_(&p, n_entries, first, deltas, scales, entry_ids, pos_scales, ids_every,

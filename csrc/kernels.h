@@ -26,6 +26,10 @@
  *               updated term by term).  A strip of outputs stays in L1 across
  *               the terms, so out is read and written once per block.
  *               s_{q,b} == 0 leaves position b alone for that term.
+ *               A term may hold M by output instead (by_row: M^T [outputs,
+ *               ldm], as a caller-owned PEFT lora_B [out, r] is laid out):
+ *               each output is then a dot product over k, with its own
+ *               summation order written in the ISA file's header.
  * for nb <= LORA_NB positions at once, so one load of the adapter feeds nb
  * positions.  Each output element's summation order is fixed by the ISA file
  * alone (its header says which) and never depends on nb, on [k0, k1), on
@@ -76,16 +80,19 @@
 struct lora_delta {
     int dtype;
     int64_t rank, rows, cols;
-    int64_t lda, ldb;      /* elements per packed row of a / bt */
-    void *a;               /* [rank, lda] */
-    void *bt;              /* [rank, ldb] */
+    int64_t lda, ldb;      /* elements per row of a / bt */
+    void *a;               /* [rank, lda]; a_by_row: A^T [cols, lda] */
+    void *bt;              /* [rank, ldb]; b_by_row: B [rows, ldb] */
+    int a_by_row, b_by_row;
+    int owned;             /* a and bt are this delta's own packed copies (else the caller's) */
 };
 
 /* one term of an accumulate: a stack member's M, its u, its scales */
 typedef struct {
-    const void *m;         /* M [kdim, ldm], storage dtype `dtype` */
+    const void *m;         /* M [kdim, ldm] (by_row: M^T [outputs, ldm]), storage dtype `dtype` */
     int64_t ldm, kdim;
     int dtype;
+    int by_row;            /* M held by output: element (k, i) at m[i * ldm + k] */
     const float *u;        /* u[b*ldu + k] */
     int64_t ldu;
     float scale[LORA_NB];  /* per position; 0: the term adds nothing there */

@@ -19,6 +19,9 @@
  *               out[i]) (one rounding); vector lanes and the scalar tail
  *               (fmaf, which the FMA target turns into vfmadd) give the same
  *               bits.
+ *   by_row      (a term held by output, a caller's lora_B [out, r]) out[i] =
+ *               fma(hsum8(lanes) + tail, s, out[i]), lanes and tail as in
+ *               project over k, hsum8 the hadd tree of hsum8x8_.
  * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads).
  * Accumulators: project keeps 4 ranks x 2 positions = 8 independent ymm
  * chains (FMA latency 4 x 2 ports = 8 in flight); accumulate keeps 2 row
@@ -177,9 +180,64 @@ INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *c
     }
 }
 
+/* [hsum(v0), ..., hsum(v7)]: the fixed hadd / 128-bit-halves tree, so lane l is
+ * ((v_l[0]+v_l[1])+(v_l[2]+v_l[3])) + ((v_l[4]+v_l[5])+(v_l[6]+v_l[7])) */
+INLINE_ __m256 hsum8x8_(const __m256 *v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* A term held by output (by_row): out[i] += s * dot(M^T[i, :], u) for i in [i0, i1), 8
+ * rows at a time; each row's dot product is the project order (lanes k mod 8, hsum8, then
+ * the scalar tail), so a row's bits do not depend on which 8 rows share its tile. */
+INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
+                        int64_t obase, const int dt) {
+    const int64_t kdim = tm->kdim, ldm = tm->ldm, body = kdim & ~(int64_t)7;
+    for (int b = 0; b < nb; b++) {
+        const float s = tm->scale[b];
+        if (s == 0.0f) continue;
+        const float *u = tm->u + b * tm->ldu;
+        for (int64_t i = i0; i < i1; i += 8) {
+            const int nrows = (int)(i1 - i < 8 ? i1 - i : 8);
+            __m256 acc_f32x8[8];
+            float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int l = 0; l < 8; l++) {
+                __m256 a = _mm256_setzero_ps();
+                if (l < nrows) {
+                    const int64_t row = (i + l) * ldm;
+                    for (int64_t k = 0; k < body; k += 8)
+                        a = _mm256_fmadd_ps(load_f32x8_(tm->m, row + k, dt), _mm256_loadu_ps(u + k), a);
+                    for (int64_t k = body; k < kdim; k++)
+                        tail[l] = fmaf(load_f32_(tm->m, row + k, dt), u[k], tail[l]);
+                }
+                acc_f32x8[l] = a;
+            }
+            const __m256 sum = _mm256_add_ps(hsum8x8_(acc_f32x8), _mm256_loadu_ps(tail));
+            float *o = outs[b] + (i - obase);
+            if (nrows == 8) {
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(sum, _mm256_set1_ps(s), _mm256_loadu_ps(o)));
+            } else {
+                float lane[8];
+                _mm256_storeu_ps(lane, sum);
+                for (int l = 0; l < nrows; l++) o[l] = fmaf(lane[l], s, o[l]);
+            }
+        }
+    }
+}
+
 INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
                     float *const *outs, int64_t obase) {
     for (int q = 0; q < n_terms; q++) {
+        if (terms[q].by_row) {
+            switch (terms[q].dtype) {
+            case LORA_DTYPE_F32: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
+            case LORA_DTYPE_F16: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
+            default: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
+            }
+            continue;
+        }
         switch (terms[q].dtype) {
         case LORA_DTYPE_F32: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
         case LORA_DTYPE_F16: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;

@@ -16,6 +16,9 @@
  *               fma-chain from 0 over k in [16m, 16m+16) ascending of
  *               M[k,i]*u[k] (LORA_KBLOCK), then out[i] = fma(total, s,
  *               out[i]) (one rounding); the tail is the same in masked lanes.
+ *   by_row      (a term held by output, a caller's lora_B [out, r]) out[i] =
+ *               fma(total, s, out[i]), total = hsum16x16_'s tree over lanes
+ *               l = fma-chain over k = l (mod 16) ascending (last chunk masked).
  * Tail strategy: masked loads and stores, no scalar tail.
  * Accumulators: up to 16 zmm chains per tile (FMA latency 4 x 2 ports needs
  * 8): project tiles are nr ranks x nb positions with nr = 8 for nb <= 2 and
@@ -204,9 +207,69 @@ INLINE_ void term_dt_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float
     }
 }
 
+/* [hsum(v0), ..., hsum(v15)] by a fixed tree: within each 128-bit block j of v_l,
+ * blk_j = (e0+e2) + (e1+e3) (unpack, then shuffle_ps); then ((blk0+blk2) + (blk1+blk3))
+ * (shuffle_f32x4 twice) */
+INLINE_ __m512 hsum16x16_(const __m512 *v) {
+    __m512 s[8], g[4];
+    for (int p = 0; p < 8; p++)
+        s[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]),
+                             _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    for (int q = 0; q < 4; q++)
+        g[q] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * q], s[2 * q + 1], 0x44),
+                             _mm512_shuffle_ps(s[2 * q], s[2 * q + 1], 0xEE));
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(g[0], g[1], 0x44),
+                                     _mm512_shuffle_f32x4(g[0], g[1], 0xEE));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(g[2], g[3], 0x44),
+                                     _mm512_shuffle_f32x4(g[2], g[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+}
+
+/* A term held by output (by_row): out[i] += s * dot(M^T[i, :], u) for i in [i0, i1), 16
+ * rows at a time: row l's lanes are an fma chain over k = l (mod 16) ascending (the last
+ * chunk masked), reduced by hsum16x16_; a row's bits do not depend on its tile. */
+INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
+                        int64_t obase, const int dt) {
+    const int64_t kdim = tm->kdim, ldm = tm->ldm, body = kdim & ~(int64_t)15;
+    const __mmask16 kmask = tail_mask_(kdim - body);
+    for (int b = 0; b < nb; b++) {
+        const float s = tm->scale[b];
+        if (s == 0.0f) continue;
+        const float *u = tm->u + b * tm->ldu;
+        for (int64_t i = i0; i < i1; i += 16) {
+            const int nrows = (int)(i1 - i < 16 ? i1 - i : 16);
+            __m512 acc_f32x16[16];
+            for (int l = 0; l < 16; l++) {
+                __m512 a = _mm512_setzero_ps();
+                if (l < nrows) {
+                    const int64_t row = (i + l) * ldm;
+                    for (int64_t k = 0; k < body; k += 16)
+                        a = _mm512_fmadd_ps(load_f32x16_(tm->m, row + k, dt), _mm512_loadu_ps(u + k), a);
+                    if (body < kdim)
+                        a = _mm512_fmadd_ps(load_masked_f32x16_(tm->m, row + body, kmask, dt),
+                                            _mm512_maskz_loadu_ps(kmask, u + body), a);
+                }
+                acc_f32x16[l] = a;
+            }
+            const __mmask16 rmask = tail_mask_(nrows);
+            float *o = outs[b] + (i - obase);
+            _mm512_mask_storeu_ps(o, rmask, _mm512_fmadd_ps(hsum16x16_(acc_f32x16), _mm512_set1_ps(s),
+                                                            _mm512_maskz_loadu_ps(rmask, o)));
+        }
+    }
+}
+
 INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
                     float *const *outs, int64_t obase) {
     for (int q = 0; q < n_terms; q++) {
+        if (terms[q].by_row) {
+            switch (terms[q].dtype) {
+            case LORA_DTYPE_F32: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
+            case LORA_DTYPE_F16: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
+            default: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
+            }
+            continue;
+        }
         switch (terms[q].dtype) {
         case LORA_DTYPE_F32: term_dt_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
         case LORA_DTYPE_F16: term_dt_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;

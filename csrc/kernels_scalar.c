@@ -20,6 +20,8 @@
  *               (((0 + M[k,i]u[k]) + M[k+1,i]u[k+1]) + ...) over k in
  *               [16m, 16m+16) ascending (LORA_KBLOCK); then out[i] + s * total
  *               (a multiply, then an add), term by term in stack order.
+ *   by_row      out[i] = out[i] + s * (((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))),
+ *               lane l = sum over k = l (mod 8), ascending, of M^T[i,k]*u[k].
  * Tail strategy: the lane index is j mod 8, so the tail needs no special
  * case.  Accumulators: 8 lanes in project, a strip of LORA_STRIP outputs
  * (block sums and running totals) in accumulate.
@@ -73,6 +75,22 @@ static inline void term_strip_(const lora_term *tm, int b, int64_t i, int n, flo
     for (int l = 0; l < n; l++) o[l] += s * total[l];
 }
 
+/* the same for a term held by output (by_row): o[l] += s * dot(M^T[i+l, :], u), the dot
+ * product in 8 lanes as project's */
+static inline void term_rows_(const lora_term *tm, int b, int64_t i, int n, float *o) {
+    const float *ub = tm->u + b * tm->ldu;
+    const float s = tm->scale[b];
+    for (int l = 0; l < n; l++) {
+        const int64_t row = (i + l) * tm->ldm;
+        float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t k = 0; k < tm->kdim; k++)
+            lane[k & 7] += lora_load_f32(tm->m, row + k, tm->dtype) * ub[k];
+        const float total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+                            ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+        o[l] += s * total;
+    }
+}
+
 static inline void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
                                int nb, void *const *outs, const int ot) {
     float strip[LORA_STRIP];
@@ -86,7 +104,10 @@ static inline void accumulate_(const lora_term *terms, int n_terms, int64_t i0, 
             if (ot != LORA_DTYPE_F32)
                 for (int l = 0; l < n; l++) o[l] = lora_load_f32(outs[b], i + l, ot);
             for (int q = 0; q < n_terms; q++)
-                if (terms[q].scale[b] != 0.0f) term_strip_(&terms[q], b, i, n, o);
+                if (terms[q].scale[b] != 0.0f) {
+                    if (terms[q].by_row) term_rows_(&terms[q], b, i, n, o);
+                    else term_strip_(&terms[q], b, i, n, o);
+                }
             if (ot != LORA_DTYPE_F32)
                 for (int l = 0; l < n; l++) lora_store_f32(outs[b], i + l, o[l], ot);
         }

@@ -63,6 +63,14 @@ const char *lora_compiler(void);
  * packed storage.  NULL when out of memory or a dimension is < 1. */
 lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols,
                            const void *a, const void *b);
+/* A delta over the caller's memory, not copied: A as rows of [rank, lda] (a_by_row: A^T as
+ * rows of [cols, lda]), B as B^T rows of [rank, ldb] (b_by_row: B as rows of [rows, ldb]),
+ * values in the storage dtype's bits.  The caller keeps that memory alive while calls use
+ * the view; writes to it are seen by the next call.  A view with a_by_row serves the row
+ * gathers only (LORA_ERR_ARG elsewhere).  NULL when out of memory or a size is invalid. */
+lora_delta *lora_delta_view(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
+                            int64_t lda, int a_by_row, const void *b, int64_t ldb, int b_by_row);
+/* frees the delta (a view: only its handle, never the caller's memory) */
 void lora_delta_free(lora_delta *d);
 /* copies the stored values back out, in the layout lora_delta_new took */
 void lora_delta_export(const lora_delta *d, void *a, void *b);

@@ -126,7 +126,7 @@ class LoraDelta:
     """
 
     __slots__ = ("_ptr", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype", "_scale",
-                 "_alpha_factor", "_xshape", "_oshape", "__weakref__")
+                 "_alpha_factor", "_xshape", "_oshape", "_keep", "__weakref__")
 
     def __init__(self, a, b, *, alpha=0.0, scale=1.0, rslora=False, base_shape=None,
                  dtype="float32"):
@@ -160,6 +160,30 @@ class LoraDelta:
                    rslora, dtype)
         return self
 
+    @classmethod
+    def view(cls, a, b, *, dtype, rank, rows, cols, a_by_row=False, b_by_row=False, scale,
+             alpha_factor=1.0, keep=None):
+        """A delta over the caller's memory, not copied (package-internal: PEFT's own tensors
+        under ``accelerate_peft``).  ``a``, ``b``: ``(address, row length in elements)``;
+        A is rows of ``[rank, lda]`` (``a_by_row``: A^T, rows of ``[cols, lda]``), B is B^T,
+        rows of ``[rank, ldb]`` (``b_by_row``: B, rows of ``[rows, ldb]``).  ``keep`` is held
+        so the memory outlives the delta; writes to it are seen by the next call."""
+        name = S.storage_name(dtype)
+        ptr = lib.lora_delta_view(S.CODES[name], rank, rows, cols, ffi.cast("void *", a[0]), a[1],
+                                  int(a_by_row), ffi.cast("void *", b[0]), b[1], int(b_by_row))
+        if ptr == ffi.NULL:
+            raise ValueError(f"cannot view a rank-{rank} [{rows} x {cols}] {name} delta with row "
+                             f"lengths {a[1]} / {b[1]}")
+        self = cls.__new__(cls)
+        self._ptr = ffi.gc(ptr, lib.lora_delta_free)
+        self._rank, self._rows, self._cols = rank, rows, cols
+        self._alpha, self._rslora, self._dtype = 0.0, False, name
+        self._scale = scale if isinstance(scale, LoraScale) else LoraScale(scale)
+        self._alpha_factor = alpha_factor
+        self._xshape, self._oshape = (cols,), (rows,)
+        self._keep = keep
+        return self
+
     def _init(self, a, b, rank, rows, cols, alpha, scale, rslora, dtype):
         name = S.storage_name(dtype)
         if isinstance(alpha, (str, bytes, bool, np.bool_)):
@@ -188,6 +212,7 @@ class LoraDelta:
         self._scale = scale
         self._alpha_factor = alpha_factor(alpha, rank, self._rslora)
         self._xshape, self._oshape = (cols,), (rows,)
+        self._keep = None
 
     # ------------------------------------------------------------ properties
     rank = property(lambda self: self._rank, doc="The LoRA rank r.")
