@@ -1,0 +1,230 @@
+"""`LoraAdapter`, and the build phase both loaders share.
+
+The loaders (`lora.peft`, `lora.gguf`) work in two phases.  The *parse* phase reads the file with
+its own library, checks every tensor -- both halves of every pair present, shapes that pair, a
+supported dtype, finite values -- and brings each pair into this library's layout
+(``a [rank, cols]``, ``b [rows, rank]``, base ``[rows, cols] = [n_out, n_in]``) as a `Pair`.
+Only when the whole file has passed does the *build* phase here (`build_adapter`) copy the pairs
+into `LoraDelta` storage, so a bad file never yields a half-loaded adapter.  Every problem with a
+file is a `LoraFormatError` whose message starts with the file's path and names the tensor (or
+config key): `format_error` writes it.
+"""
+
+import os
+import warnings
+from collections.abc import Mapping
+
+import numpy as np
+
+from .delta import LoraDelta, peft_delta
+from .errors import LoraFormatError, LoraShapeError
+from .scale import LoraScale
+
+__all__ = ["LoraAdapter"]
+
+_STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+
+class LoraAdapter(Mapping):
+    """One loaded adapter: a read-only Mapping from the file's own base names to `LoraDelta`.
+
+    Keys are PEFT module paths (``"model.layers.0.self_attn.q_proj"``, without PEFT's
+    ``base_model.model.`` prefix) or GGUF base tensor names (``"blk.0.attn_q.weight"``), in file
+    order.  Every delta shares the adapter's one `LoraScale`, so ``adapter.scale.set(0.5)``
+    rescales every projection at once.
+
+    Attributes: ``name`` (str), ``alpha`` (the file's default alpha: PEFT ``lora_alpha`` or GGUF
+    ``adapter.lora.alpha``, 0.0 when absent; per-module alphas are on the deltas), ``scale`` (the
+    shared `LoraScale`), ``dtype`` (the storage dtype all deltas share, or ``"mixed"``) and
+    ``resident_bytes`` (the sum over the deltas).
+
+    Built by `load_peft` / `load_gguf`; it can also wrap deltas built by hand, which must all share
+    ``scale`` (else ``ValueError``).
+    """
+
+    __slots__ = ("_deltas", "_name", "_alpha", "_scale")
+
+    def __init__(self, deltas, *, name, alpha, scale):
+        if not isinstance(scale, LoraScale):
+            raise TypeError(f"scale must be a LoraScale, got {type(scale).__name__}")
+        items = dict(deltas)
+        for key, delta in items.items():
+            if not isinstance(key, str):
+                raise TypeError(f"adapter target names must be str, got {key!r}")
+            if not isinstance(delta, LoraDelta):
+                raise TypeError(f"target {key!r}: expected a LoraDelta, got {type(delta).__name__}")
+            if delta.scale is not scale:
+                raise ValueError(f"target {key!r}: every delta of an adapter must share its LoraScale")
+        self._deltas = items
+        self._name = str(name)
+        self._alpha = float(alpha)
+        self._scale = scale
+
+    # Mapping protocol
+    def __getitem__(self, name):
+        return self._deltas[name]
+
+    def __iter__(self):
+        return iter(self._deltas)
+
+    def __len__(self):
+        return len(self._deltas)
+
+    def __contains__(self, name):
+        return name in self._deltas
+
+    @property
+    def name(self):
+        """The adapter's name: the PEFT directory name, or GGUF ``general.name`` (else file stem)."""
+        return self._name
+
+    @property
+    def alpha(self):
+        """The file's default alpha (float): PEFT ``lora_alpha`` / GGUF ``adapter.lora.alpha``."""
+        return self._alpha
+
+    @property
+    def scale(self):
+        """The `LoraScale` every delta of this adapter shares (llama.cpp's user scale)."""
+        return self._scale
+
+    @property
+    def dtype(self):
+        """The storage dtype shared by every delta (``"float32"`` etc.), or ``"mixed"``."""
+        kinds = {d.dtype for d in self._deltas.values()}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    @property
+    def resident_bytes(self):
+        """Bytes held by all deltas: the sum of ``LoraDelta.resident_bytes``."""
+        return sum(d.resident_bytes for d in self._deltas.values())
+
+    def check_base(self, shapes):
+        """Check the adapter against a base model's shapes.
+
+        ``shapes`` maps base names to ``(rows, cols)`` = ``(n_out, n_in)`` -- also for PEFT
+        ``fan_in_fan_out`` models, whose stored weights are ``[in, out]`` -- or to anything with a
+        ``.shape`` (a weight array).  Raises `LoraShapeError` naming the tensor and both shapes for
+        a target whose shape differs, and for a target missing from ``shapes``; base names the
+        adapter does not target are ignored.  Returns None.
+        """
+        for key, delta in self._deltas.items():
+            want = (delta.rows, delta.cols)
+            if key not in shapes:
+                raise LoraShapeError(
+                    f"adapter target '{key}' [{want[0]} x {want[1]}] is missing from the base shapes",
+                    rows=delta.rows, cols=delta.cols, rank=delta.rank)
+            given = shapes[key]
+            given = getattr(given, "shape", given)
+            try:
+                got = tuple(int(v) for v in given)
+            except (TypeError, ValueError):
+                got = None
+            if got != want:
+                shown = f"[{got[0]} x {got[1]}]" if got is not None and len(got) == 2 else repr(given)
+                raise LoraShapeError(
+                    f"tensor '{key}': the adapter's delta is [{want[0]} x {want[1]}] "
+                    f"(rows x cols) but the base is {shown}",
+                    rows=delta.rows, cols=delta.cols, rank=delta.rank)
+
+    def __repr__(self):
+        return (f"LoraAdapter(name={self._name!r}, targets={len(self)}, alpha={self._alpha:g}, "
+                f"scale={self._scale.value:g}, dtype={self.dtype!r}, "
+                f"resident_bytes={self.resident_bytes})")
+
+
+# --------------------------------------------------------------------------------------------
+# the build phase, shared by the PEFT and GGUF loaders
+# --------------------------------------------------------------------------------------------
+
+
+class Pair:
+    """One validated target in our layout, before it becomes a `LoraDelta`."""
+
+    __slots__ = ("name", "a", "b", "alpha", "rslora", "zero_alpha", "storage", "tensors")
+
+    def __init__(self, name, a, b, *, alpha, rslora, zero_alpha, storage, tensors):
+        self.name, self.a, self.b = name, a, b        # a [rank, cols], b [rows, rank]
+        self.alpha, self.rslora, self.zero_alpha = alpha, rslora, zero_alpha
+        self.storage = storage                        # "float32" | "float16" | "bfloat16"
+        self.tensors = tensors                        # the file's two tensor names, for messages
+
+
+def format_error(path, what, tensor=None, key=None, pair=None):
+    """A one-line `LoraFormatError`: ``"<path>: tensor '<t>': <what>"`` (or ``tensors '<a>' and
+    '<b>'``, ``key '<k>'``), so every refusal names the file and what in it is wrong."""
+    where = os.fspath(path)
+    if tensor is not None:
+        where += f": tensor '{tensor}'"
+    if pair is not None:
+        where += f": tensors '{pair[0]}' and '{pair[1]}'"
+    if key is not None:
+        where += f": key '{key}'"
+    return LoraFormatError(f"{where}: {what}")
+
+
+def storage_arg(dtype):
+    """Normalise the ``dtype=`` argument: None, or one of the storage dtype names."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = repr(dtype)
+    if name not in _STORAGE_DTYPES:
+        raise ValueError(f"dtype must be None, 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+    return name
+
+
+def scale_arg(scale):
+    """The ``scale=`` argument as the `LoraScale` every delta will share (a float makes a new one;
+    `LoraScale` refuses a value that is not finite in float32)."""
+    return scale if isinstance(scale, LoraScale) else LoraScale(scale)
+
+
+def pair_storage(dtype_a, dtype_b):
+    """The storage dtype that keeps both halves exactly: their common dtype, else float32."""
+    return dtype_a if dtype_a == dtype_b else "float32"
+
+
+def check_finite(path, tensor, arr):
+    """`LoraFormatError` naming the tensor when ``arr`` holds inf or NaN."""
+    # isfinite works for float16 and ml_dtypes.bfloat16 without widening the array.
+    if arr.size and not np.isfinite(arr).all():
+        bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+        raise format_error(path, f"holds {bad} non-finite value(s) (inf or NaN)", tensor=tensor)
+
+
+def build_adapter(pairs, *, path, name, alpha, scale, dtype):
+    """Phase two: copy validated `Pair`s into `LoraDelta` storage, all sharing ``scale``, and
+    return the `LoraAdapter`; nothing is returned on error.  ``dtype`` None keeps each pair's
+    storage dtype.  Pairs with ``zero_alpha`` follow PEFT's alpha-0 rule (a zero delta, through
+    `lora.delta.peft_delta`), with one ``UserWarning`` naming them."""
+    deltas = {}
+    zeroed = []
+    for p in pairs:
+        storage = dtype or p.storage
+        try:
+            # Overflow into a narrower storage dtype is refused below (the core raises
+            # ValueError); NumPy's cast warning on the way there would only repeat it.
+            with np.errstate(over="ignore"):
+                make = peft_delta if p.zero_alpha else LoraDelta
+                delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                             dtype=storage)
+        except NotImplementedError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise format_error(path, f"cannot be stored as {storage}: {exc}", pair=p.tensors) from exc
+        if p.zero_alpha:
+            zeroed.append(p.name)
+        deltas[p.name] = delta
+    if zeroed:
+        shown = ", ".join(zeroed[:3]) + (f" and {len(zeroed) - 3} more" if len(zeroed) > 3 else "")
+        warnings.warn(f"{os.fspath(path)}: alpha is 0 for {len(zeroed)} module(s) ({shown}): "
+                      "PEFT scales them by alpha / r = 0, so their deltas are zero",
+                      UserWarning, stacklevel=3)
+    return LoraAdapter(deltas, name=name, alpha=alpha, scale=scale)
