@@ -6,10 +6,10 @@ import os
 import warnings
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
-from .adapter import Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg, storage_arg
+from .adapter import (Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg,
+                      storage_arg)
 from .errors import LoraFormatError
 
 __all__ = ["load_gguf"]
@@ -121,6 +121,8 @@ def _gguf_array(tensor, path):
             raise format_error(path, "F64 values overflow float32", tensor=tensor.name)
         return arr.astype(np.float32)
     if tt == T.BF16:
+        import ml_dtypes
+
         # The reader exposes BF16 as raw bytes [rows, 2 * cols]; reinterpret, copying once.
         return np.array(tensor.data).view(np.uint16).view(ml_dtypes.bfloat16)
     if tt == T.Q8_0:

@@ -7,10 +7,10 @@ import os
 import re
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
-from .adapter import Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg, storage_arg
+from .adapter import (Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg,
+                      storage_arg)
 from .gguf import is_gguf_file
 
 __all__ = ["load_peft"]
@@ -281,6 +281,8 @@ def _peft_parse(weights_path, cfg_path):
 
 
 def _np_storage(dt):
+    import ml_dtypes     # on first use: `import lora` stays light
+
     if dt == np.float32:
         return "float32"
     if dt == np.float16:

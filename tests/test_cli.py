@@ -21,11 +21,15 @@ GGUF_LORA = FIXTURES / "gguf" / "lora_r8_alpha16_f32.gguf"
 LORA_ROOT = Path(lora.__file__).resolve().parent.parent
 
 
-def _run(*args):
+def _python(*args):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(LORA_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return subprocess.run([sys.executable, "-m", "lora", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def _run(*args):
+    return _python("-m", "lora", *args)
 
 
 def _meta(name):
@@ -123,3 +127,16 @@ def test_info_prints_kernel_info():
     got = dict(l.split(": ", 1) for l in lines)
     assert got["isa"] == info["isa"]
     assert got["available_isas"].split(", ") == list(info["available_isas"])
+
+
+def test_import_and_info_load_no_file_format_library():
+    """`import lora` and `python -m lora info` read no adapter file, so the loader side imports
+    gguf, safetensors and ml_dtypes only on first use, inside the loading functions."""
+    code = ("import sys, lora, lora.__main__ as cli\n"
+            "cli.main(['info'], out=open('/dev/null', 'w'))\n"
+            "print([m for m in ('gguf', 'safetensors') if m in sys.modules])\n"
+            "print([n for n in ('lora.adapter', 'lora.peft', 'lora.gguf', 'lora.__main__')\n"
+            "       if {'ml_dtypes', 'gguf', 'safetensors'} & set(vars(sys.modules[n]))])\n")
+    res = _python("-c", code)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["[]", "[]"]
