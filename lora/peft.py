@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -136,13 +137,15 @@ def _peft_config(cfg_path):
     }
 
 
+def _pattern_matches(key, module):
+    """PEFT's pattern rule (tuners/tuners_utils.get_pattern_key): ``re.match(rf"(.*\\.)?({k})$",
+    module)``, so a key matches a whole trailing run of path components, or is a regex."""
+    return re.match(rf"(.*\.)?({key})$", module) is not None
+
+
 def _peft_pattern_key(keys, module):
-    """PEFT's rule (tuners/tuners_utils.get_pattern_key): the first key k, in file order, with
-    ``re.match(rf"(.*\\.)?({k})$", module)``; None when no key matches."""
-    for k in keys:
-        if re.match(rf"(.*\.)?({k})$", module):
-            return k
-    return None
+    """The first key in file order that matches ``module`` (PEFT's rule); None when none does."""
+    return next((k for k in keys if _pattern_matches(k, module)), None)
 
 
 def _peft_targeted(targets, module):
@@ -277,7 +280,14 @@ def _peft_parse(weights_path, cfg_path):
             storage = pair_storage(_np_storage(a.dtype), _np_storage(b.dtype))
             pairs.append(Pair(module, a, b, alpha=alpha, rslora=cfg["use_rslora"],
                                zero_alpha=(alpha == 0.0), storage=storage, tensors=(ka, kb)))
-    return cfg, pairs
+    return cfg, pairs, _unmatched_pattern_keys(cfg, order)
+
+
+def _unmatched_pattern_keys(cfg, modules):
+    """``[(config key, pattern key)]`` for every rank_pattern / alpha_pattern key that matches no
+    module of the file under PEFT's pattern rule; PEFT warns about them and ignores them."""
+    return [(which, k) for which in ("rank_pattern", "alpha_pattern") for k in cfg[which]
+            if not any(_pattern_matches(k, m) for m in modules)]
 
 
 def _np_storage(dt):
@@ -307,7 +317,9 @@ def load_peft(path, *, scale=1.0, dtype=None):
     Scale (PEFT ``tuners/lora``): ``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``, per
     module after ``rank_pattern`` / ``alpha_pattern`` (first key ``k`` in file order with
     ``re.match(rf"(.*\\.)?({k})$", module)``), times ``scale`` (a float or a `LoraScale` to
-    share).  A module whose alpha is 0 gets a zero delta, with one ``UserWarning``.
+    share).  A module whose alpha is 0 gets a zero delta, with one ``UserWarning``.  A
+    ``rank_pattern`` / ``alpha_pattern`` key that matches no module in the file is ignored with a
+    ``UserWarning`` naming it, as PEFT warns.
 
     ``dtype``: None keeps the file's dtype (F32, F16, BF16; F64 becomes float32; a pair whose
     halves differ is stored as float32), or one of ``"float32"``, ``"float16"``, ``"bfloat16"``.
@@ -322,6 +334,10 @@ def load_peft(path, *, scale=1.0, dtype=None):
     storage = storage_arg(dtype)
     shared = scale_arg(scale)
     weights_path, cfg_path, name = _peft_paths(path)
-    cfg, pairs = _peft_parse(weights_path, cfg_path)
-    return build_adapter(pairs, path=weights_path, name=name, alpha=cfg["lora_alpha"], scale=shared,
-                  dtype=storage)
+    cfg, pairs, unmatched = _peft_parse(weights_path, cfg_path)
+    adapter = build_adapter(pairs, path=weights_path, name=name, alpha=cfg["lora_alpha"],
+                            scale=shared, dtype=storage)
+    for which, key in unmatched:
+        warnings.warn(f"{os.fspath(cfg_path)}: {which} key {key!r} matches no module in "
+                      f"{weights_path.name}; it is ignored", UserWarning, stacklevel=2)
+    return adapter

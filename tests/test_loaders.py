@@ -411,6 +411,21 @@ def test_peft_rank_and_alpha_patterns_first_match_in_file_order(tmp_path):
     assert adapter.alpha == 8.0         # the file's default, not a per-module one
 
 
+@pytest.mark.parametrize("which", ["rank_pattern", "alpha_pattern"])
+def test_peft_pattern_key_matching_no_module_warns(tmp_path, which):
+    """PEFT warns about a rank_pattern / alpha_pattern key that matches no module (a typo such as
+    "q_porj") and ignores it; so does the loader, naming the key."""
+    rng = np.random.default_rng(14)
+    tensors = af.linear_pair(rng, "model.layers.0.self_attn.q_proj", 8, 16, 4)
+    cfg = af.peft_config(**{which: {"q_porj": 64, "q_proj": 4}})
+    path = af.write_peft(tmp_path / "typo", tensors, cfg)
+    with pytest.warns(UserWarning, match=rf"{which} key 'q_porj' matches no module") as caught:
+        adapter = load_peft(path)
+    assert len(caught) == 1 and str(path / "adapter_config.json") in str(caught[0].message)
+    assert "'q_proj'" not in str(caught[0].message)
+    assert adapter["model.layers.0.self_attn.q_proj"].rank == 4
+
+
 def test_peft_rank_pattern_mismatch_is_refused(tmp_path):
     rng = np.random.default_rng(4)
     tensors = af.linear_pair(rng, "model.layers.0.self_attn.q_proj", 8, 16, 4)
