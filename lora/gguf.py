@@ -213,8 +213,11 @@ def load_gguf(path, *, scale=1.0, dtype=None):
             raise format_error(p, f"tensor type {t.tensor_type.name} is not supported "
                          "(want F32, F16, BF16, Q8_0 or F64)", tensor=t.name)
         ne = [int(n) for n in t.shape]
+        # llama.cpp compares ne[0] and ne[1] only, so trailing dimensions of 1 (ne [n, r, 1])
+        # are the 2-D factor they hold; any other extra dimension is not a LoRA factor.
         if len(ne) < 2 or any(n != 1 for n in ne[2:]):
-            raise format_error(p, f"has ne {ne}; a LoRA factor is 2-D", tensor=t.name)
+            raise format_error(p, f"has ne {ne}; a LoRA factor is 2-D (ne [n, r], or with "
+                               "trailing dimensions of 1 only)", tensor=t.name)
         if 0 in ne[:2]:
             raise format_error(p, f"has an empty shape, ne {ne}", tensor=t.name)
         if base not in halves:
@@ -249,7 +252,8 @@ def load_gguf(path, *, scale=1.0, dtype=None):
         arrays = []
         for t in (ta, tb):
             try:
-                arr = _gguf_array(t, p)
+                # numpy shape [ne[1], ne[0]]: drops the trailing unit dimensions checked above
+                arr = _gguf_array(t, p).reshape(int(t.shape[1]), int(t.shape[0]))
             except LoraFormatError:
                 raise
             except Exception as exc:

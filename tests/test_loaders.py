@@ -981,11 +981,36 @@ def test_gguf_refuses_unknown_tensors(tmp_path, name):
     _assert_format_error(lambda: load_gguf(path), path, name, "unknown tensor")
 
 
-def test_gguf_refuses_a_3d_tensor(tmp_path):
-    tensors = [("blk.0.attn_q.weight.lora_a", np.ones((2, 4, 16), np.float32), None),
+@pytest.mark.parametrize("lead", [(2,), (1, 2), (3, 1)])
+def test_gguf_refuses_a_factor_with_an_extra_dimension(tmp_path, lead):
+    tensors = [("blk.0.attn_q.weight.lora_a", np.ones(lead + (4, 16), np.float32), None),
                ("blk.0.attn_q.weight.lora_b", np.ones((24, 4), np.float32), None)]
     path = af.write_gguf(tmp_path / "3d.gguf", tensors)
-    _assert_format_error(lambda: load_gguf(path), path, "blk.0.attn_q.weight.lora_a", "2-D")
+    ne = str([16, 4] + list(reversed(lead)))
+    _assert_format_error(lambda: load_gguf(path), path, "blk.0.attn_q.weight.lora_a", "2-D", ne)
+
+
+@pytest.mark.parametrize("qtype", [None, Q.F16, Q.BF16, Q.Q8_0])
+def test_gguf_factor_with_trailing_unit_dimensions_is_2d(tmp_path, qtype):
+    """ne [n, r, 1] (and [n, r, 1, 1]) is the 2-D factor it holds: llama.cpp compares ne[0] and
+    ne[1] only.  Same deltas as the plain 2-D file, for every stored type."""
+    if qtype in (Q.F16, Q.BF16):
+        _require_storage("float16" if qtype == Q.F16 else "bfloat16")
+    rng = np.random.default_rng(44)
+    a = rng.standard_normal((4, 32)).astype(np.float32)
+    b = rng.standard_normal((24, 4)).astype(np.float32)
+    qb = None if qtype == Q.Q8_0 else qtype      # lora_b's rows (ne[0] = 4) are not Q8_0 blocks
+    flat = af.write_gguf(tmp_path / "flat.gguf", [("blk.0.attn_q.weight.lora_a", a, qtype),
+                                                  ("blk.0.attn_q.weight.lora_b", b, qb)])
+    padded = af.write_gguf(tmp_path / "padded.gguf", [
+        ("blk.0.attn_q.weight.lora_a", a[None], qtype),          # ne [32, 4, 1]
+        ("blk.0.attn_q.weight.lora_b", b[None, None], qb)])      # ne [4, 24, 1, 1]
+    assert [list(map(int, t.shape)) for t in GGUFReader(str(padded)).tensors] == \
+        [[32, 4, 1], [4, 24, 1, 1]]
+    want, got = load_gguf(flat)["blk.0.attn_q.weight"], load_gguf(padded)["blk.0.attn_q.weight"]
+    assert (got.rows, got.cols, got.rank, got.dtype) == (24, 32, 4, want.dtype)
+    for x, y in zip(got.lora_weights(), want.lora_weights()):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_gguf_refuses_an_empty_adapter(tmp_path):
