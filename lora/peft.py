@@ -159,12 +159,12 @@ def _peft_targeted(targets, module):
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
-def _peft_parse(weights_path, cfg_path):
+def _safetensors_headers(weights_path, *, adapter_expected=True):
+    """[(key, dtype, shape)] from the file's header (safe_open maps the file; no tensor is read).
+    A file that is not readable safetensors is a LoraFormatError saying so -- and, when nothing
+    else marks it as an adapter (no adapter_config.json beside it), that it is not a LoRA adapter."""
     from safetensors import safe_open
 
-    cfg = _peft_config(cfg_path)
-
-    # Header pass: names, dtypes and shapes only (safe_open maps the file; no tensor is read).
     try:
         with safe_open(os.fspath(weights_path), framework="np") as fh:
             headers = []
@@ -172,7 +172,31 @@ def _peft_parse(weights_path, cfg_path):
                 sl = fh.get_slice(key)
                 headers.append((key, sl.get_dtype(), tuple(int(n) for n in sl.get_shape())))
     except Exception as exc:  # SafetensorError, OSError: a truncated or foreign file
-        raise format_error(weights_path, f"not a readable safetensors file: {exc}") from exc
+        what = "not a readable safetensors file" if adapter_expected else \
+            "not a LoRA adapter: neither a GGUF file nor a readable safetensors file"
+        raise format_error(weights_path, f"{what}: {exc}") from exc
+    return headers
+
+
+def _refuse_a_non_adapter(weights_path, cfg_path):
+    """Without adapter_config.json, say first whether the file is a LoRA adapter at all (a random
+    file, a base model's model.safetensors), then that the config is missing."""
+    if cfg_path.exists():
+        return
+    headers = _safetensors_headers(weights_path, adapter_expected=False)
+    if not any(_PEFT_LINEAR.match(key) or _PEFT_EMBED.match(key) for key, _, _ in headers):
+        shown = f" (such as '{headers[0][0]}')" if headers else ""
+        raise format_error(weights_path, f"not a LoRA adapter: none of its {len(headers)} "
+                           f"tensors{shown} is a lora_A/lora_B or lora_embedding_A/B factor, and "
+                           "there is no adapter_config.json beside it")
+
+
+def _peft_parse(weights_path, cfg_path):
+    from safetensors import safe_open
+
+    _refuse_a_non_adapter(weights_path, cfg_path)
+    cfg = _peft_config(cfg_path)
+    headers = _safetensors_headers(weights_path)
 
     halves = {}      # module -> {"A": (key, dtype, shape), "B": ...}
     kinds = {}       # module -> "linear" | "embedding"
@@ -324,8 +348,9 @@ def load_peft(path, *, scale=1.0, dtype=None):
     ``dtype``: None keeps the file's dtype (F32, F16, BF16; F64 becomes float32; a pair whose
     halves differ is stored as float32), or one of ``"float32"``, ``"float16"``, ``"bfloat16"``.
 
-    Raises `LoraFormatError` (naming the file and the tensor or config key) for a missing or
-    unreadable config, ``peft_type`` other than LORA, DoRA, ``lora_bias``, aLoRA, other non-LoRA
+    Raises `LoraFormatError` (naming the file and the tensor or config key) for a file that is not
+    a LoRA adapter (a random file, or a base model's ``model.safetensors``: no lora_A/lora_B
+    tensors and no config beside it), a missing or unreadable config, ``peft_type`` other than LORA, DoRA, ``lora_bias``, aLoRA, other non-LoRA
     options, a truncated or foreign file, an unknown key, a pair missing a half, shapes or ranks
     that do not pair, an unsupported dtype or non-finite values; ``FileNotFoundError`` for a
     missing path; ``ValueError`` for a bad ``dtype`` or ``scale``.  Nothing is returned unless

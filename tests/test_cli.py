@@ -109,6 +109,34 @@ def test_inspect_bad_file_exits_2_with_one_line(tmp_path, case):
     assert str(path) in err[0] and all(n in err[0] for n in names)
 
 
+@pytest.mark.parametrize("case", ["random_bytes", "base_model_safetensors", "empty"])
+def test_inspect_a_file_that_is_not_an_adapter_says_so(tmp_path, case):
+    """A random file, or a base model's model.safetensors (no adapter_config.json, no lora_A /
+    lora_B tensors): the one line says the file is not a LoRA adapter, and why."""
+    if case == "random_bytes":
+        path = tmp_path / "weights.bin"
+        path.write_bytes(np.random.default_rng(2).bytes(4096))
+        why = "neither a GGUF file nor a readable safetensors file"
+    elif case == "base_model_safetensors":
+        from safetensors.numpy import save_file
+
+        path = tmp_path / "base" / "model.safetensors"
+        path.parent.mkdir()
+        save_file({"model.embed_tokens.weight": np.ones((8, 4), np.float32),
+                   "model.layers.0.self_attn.q_proj.weight": np.ones((4, 4), np.float32)}, str(path))
+        why = "no adapter_config.json"
+    else:
+        path = tmp_path / "empty"
+        path.write_bytes(b"")
+        why = "neither a GGUF file nor a readable safetensors file"
+    res = _run("inspect", path)
+    assert res.returncode == 2 and res.stdout == ""
+    err = res.stderr.splitlines()
+    assert len(err) == 1, res.stderr
+    assert str(path) in err[0] and "not a LoRA adapter" in err[0] and why in err[0], err[0]
+    assert "adapter_config.json: missing" not in err[0]
+
+
 @pytest.mark.parametrize("args", [[], ["inspect"], ["bogus"],
                                   ["inspect", str(PEFT_DIR), "--dtype", "int8"],
                                   ["inspect", str(PEFT_DIR), "--scale", "nan"]])

@@ -660,6 +660,16 @@ def test_peft_refuses_a_base_model_file(peft_dir):
                          "model.layers.0.self_attn.q_proj.weight", "unknown key")
 
 
+def test_peft_without_config_says_a_base_model_file_is_not_an_adapter(tmp_path):
+    """A base model's model.safetensors (no adapter_config.json beside it, no LoRA tensors) is
+    "not a LoRA adapter", not a PEFT adapter with a missing config."""
+    path = af.write_peft(tmp_path / "base", {"model.norm.weight": np.ones(4, np.float32)})
+    weights = path / "adapter_model.safetensors"
+    msg = _assert_format_error(lambda: load_peft(weights), weights, "not a LoRA adapter",
+                               "model.norm.weight")
+    assert "missing" not in msg
+
+
 def test_peft_refuses_a_file_with_no_lora_tensors(peft_dir):
     path = peft_dir({"model.embed_tokens.base_layer.weight": np.ones((4, 4), np.float32)})
     _assert_format_error(lambda: load_peft(path), path / "adapter_model.safetensors", "no lora_A")
