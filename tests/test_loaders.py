@@ -509,8 +509,11 @@ def test_peft_dtype_argument_converts(tmp_path):
         _check_delta_weight(delta, tensors, module, 2.0)
     with pytest.raises(ValueError, match="dtype must be"):
         load_peft(path, dtype="int8")
-    with pytest.raises(ValueError):
-        load_peft(path, scale=float("nan"))
+    for bad in (float("nan"), 1e39):      # 1e39: a finite double, inf in float32
+        with pytest.raises(ValueError):
+            load_peft(path, scale=bad)
+    with pytest.raises(ValueError, match="finite in float32"):
+        load_gguf(GGUF_LORA, scale=-1e39)
 
 
 def test_peft_float32_to_float16_storage(tmp_path):
