@@ -59,8 +59,10 @@ def _inspect(args, out):
         return "  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
+    alora = "" if adapter.invocation_tokens is None else \
+        f", aLoRA invocation tokens {list(adapter.invocation_tokens)}"
     print(f"{adapter.name}: {fmt} LoRA adapter, {len(adapter)} targets, alpha {adapter.alpha:g}, "
-          f"scale {adapter.scale.value:g}, dtype {adapter.dtype}", file=out)
+          f"scale {adapter.scale.value:g}, dtype {adapter.dtype}{alora}", file=out)
     print(line(head), file=out)
     for r in rows:
         print(line(r), file=out)

@@ -10,6 +10,7 @@ file is a `LoraFormatError` whose message starts with the file's path and names 
 config key): `format_error` writes it.
 """
 
+import operator
 import os
 import warnings
 from collections.abc import Mapping
@@ -25,6 +26,26 @@ __all__ = ["LoraAdapter"]
 _STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 
+def _invocation_tokens(tokens):
+    """None, or a non-empty tuple of non-negative int token ids.  An empty sequence is plain LoRA,
+    as in PEFT (which tests the list's truth) and llama.cpp (an empty sequence never activates)."""
+    if tokens is None:
+        return None
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise TypeError(f"invocation_tokens must be a sequence of token ids, got {tokens!r}")
+    out = []
+    for t in tokens:
+        if isinstance(t, (bool, np.bool_)):
+            raise TypeError(f"invocation_tokens must be integer token ids, got {t!r}")
+        try:
+            t = operator.index(t)
+        except TypeError:
+            raise TypeError(f"invocation_tokens must be integer token ids, got {t!r}") from None
+        if t < 0:
+            raise ValueError(f"invocation_tokens must be non-negative token ids, got {t}")
+        out.append(t)
+    return tuple(out) or None
+
 
 class LoraAdapter(Mapping):
     """One loaded adapter: a read-only Mapping from the file's own base names to `LoraDelta`.
@@ -36,16 +57,18 @@ class LoraAdapter(Mapping):
 
     Attributes: ``name`` (str), ``alpha`` (the file's default alpha: PEFT ``lora_alpha`` or GGUF
     ``adapter.lora.alpha``, 0.0 when absent; per-module alphas are on the deltas), ``scale`` (the
-    shared `LoraScale`), ``dtype`` (the storage dtype all deltas share, or ``"mixed"``) and
-    ``resident_bytes`` (the sum over the deltas).
+    shared `LoraScale`), ``dtype`` (the storage dtype all deltas share, or ``"mixed"``),
+    ``resident_bytes`` (the sum over the deltas) and ``invocation_tokens`` (activated LoRA's
+    invocation sequence, or None; see `alora_mask`).
 
     Built by `load_peft` / `load_gguf`; it can also wrap deltas built by hand, which must all share
-    ``scale`` (else ``ValueError``).
+    ``scale`` (else ``ValueError``); ``invocation_tokens`` is None or a sequence of non-negative
+    int token ids (``TypeError`` / ``ValueError`` otherwise; an empty one means plain LoRA).
     """
 
-    __slots__ = ("_deltas", "_name", "_alpha", "_scale")
+    __slots__ = ("_deltas", "_name", "_alpha", "_scale", "_invocation_tokens", "_peft_zero_alpha")
 
-    def __init__(self, deltas, *, name, alpha, scale):
+    def __init__(self, deltas, *, name, alpha, scale, invocation_tokens=None):
         if not isinstance(scale, LoraScale):
             raise TypeError(f"scale must be a LoraScale, got {type(scale).__name__}")
         items = dict(deltas)
@@ -60,6 +83,9 @@ class LoraAdapter(Mapping):
         self._name = str(name)
         self._alpha = float(alpha)
         self._scale = scale
+        self._invocation_tokens = _invocation_tokens(invocation_tokens)
+        # targets built under PEFT's alpha-0 rule (a zero delta; see build_adapter)
+        self._peft_zero_alpha = frozenset()
 
     # Mapping protocol
     def __getitem__(self, name):
@@ -128,10 +154,48 @@ class LoraAdapter(Mapping):
                     f"(rows x cols) but the base is {shown}",
                     rows=delta.rows, cols=delta.cols, rank=delta.rank)
 
+    @property
+    def invocation_tokens(self):
+        """Activated LoRA's invocation sequence: a tuple of int token ids, or None for plain LoRA.
+        From PEFT's ``alora_invocation_tokens`` or GGUF ``adapter.alora.invocation_tokens``."""
+        return self._invocation_tokens
+
+    def alora_mask(self, token_ids):
+        """Where this adapter applies in a token sequence: numpy bool ``[n]``.
+
+        ``token_ids``: the whole sequence so far (prompt and generated tokens), a 1-D integer
+        array-like -- a list, a NumPy array or a CPU torch tensor.  Plain LoRA: all True.
+        Activated LoRA: True from the start of the *last* occurrence of `invocation_tokens` to the
+        end, all False when the sequence does not occur (PEFT's ``calculate_alora_offsets``).
+        With a bank: ``adapter_ids = np.where(mask, slot, -1)``.
+
+        Raises ``TypeError`` for bool, float or other non-integer ids and ``ValueError`` for a
+        sequence that is not 1-D.
+        """
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D [n], got shape {ids.shape}")
+        if ids.size and ids.dtype.kind not in "iu":
+            raise TypeError(f"token_ids must be integers, got dtype {ids.dtype}")
+        n = ids.shape[0]
+        tokens = self._invocation_tokens
+        if tokens is None:
+            return np.ones(n, dtype=bool)
+        mask = np.zeros(n, dtype=bool)
+        k = len(tokens)
+        if n >= k:
+            windows = np.lib.stride_tricks.sliding_window_view(ids, k)
+            starts = np.flatnonzero((windows == np.asarray(tokens)).all(axis=1))
+            if starts.size:
+                mask[starts[-1]:] = True
+        return mask
+
     def __repr__(self):
+        alora = "" if self._invocation_tokens is None else \
+            f", invocation_tokens={list(self._invocation_tokens)}"
         return (f"LoraAdapter(name={self._name!r}, targets={len(self)}, alpha={self._alpha:g}, "
                 f"scale={self._scale.value:g}, dtype={self.dtype!r}, "
-                f"resident_bytes={self.resident_bytes})")
+                f"resident_bytes={self.resident_bytes}{alora})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,11 +263,12 @@ def check_finite(path, tensor, arr):
         raise format_error(path, f"holds {bad} non-finite value(s) (inf or NaN)", tensor=tensor)
 
 
-def build_adapter(pairs, *, path, name, alpha, scale, dtype):
+def build_adapter(pairs, *, path, name, alpha, scale, dtype, invocation_tokens=None):
     """Phase two: copy validated `Pair`s into `LoraDelta` storage, all sharing ``scale``, and
     return the `LoraAdapter`; nothing is returned on error.  ``dtype`` None keeps each pair's
     storage dtype.  Pairs with ``zero_alpha`` follow PEFT's alpha-0 rule (a zero delta, through
-    `lora.delta.peft_delta`), with one ``UserWarning`` naming them."""
+    `lora.delta.peft_delta`), with one ``UserWarning`` naming them.  ``invocation_tokens``: the
+    activated LoRA's validated sequence, or None."""
     deltas = {}
     zeroed = []
     for p in pairs:
@@ -227,4 +292,7 @@ def build_adapter(pairs, *, path, name, alpha, scale, dtype):
         warnings.warn(f"{os.fspath(path)}: alpha is 0 for {len(zeroed)} module(s) ({shown}): "
                       "PEFT scales them by alpha / r = 0, so their deltas are zero",
                       UserWarning, stacklevel=3)
-    return LoraAdapter(deltas, name=name, alpha=alpha, scale=scale)
+    adapter = LoraAdapter(deltas, name=name, alpha=alpha, scale=scale,
+                          invocation_tokens=invocation_tokens)
+    adapter._peft_zero_alpha = frozenset(zeroed)
+    return adapter

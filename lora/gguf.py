@@ -106,6 +106,27 @@ def _gguf_str(reader, key, path):
                      key=key) from None
 
 
+def _gguf_invocation_tokens(reader, path):
+    """llama.cpp's ``adapter.alora.invocation_tokens`` (``llama-adapter.cpp``): an array of
+    UINT32 token ids, the only element type llama.cpp accepts (and the one its converter
+    writes); None when absent or empty (an empty sequence never activates: plain LoRA)."""
+    from gguf import GGUFValueType
+
+    key = "adapter.alora.invocation_tokens"
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    if field.types != [GGUFValueType.ARRAY, GGUFValueType.UINT32] and \
+            field.types != [GGUFValueType.ARRAY]:          # an empty array has no element type
+        shown = "/".join(t.name for t in field.types)
+        raise format_error(path, f"must be an array of UINT32 token ids, as llama.cpp reads it; "
+                           f"has type {shown}", key=key)
+    tokens = [int(v) for v in field.contents()]
+    if any(v > 0x7FFFFFFF for v in tokens):           # llama_token is int32
+        raise format_error(path, f"holds a token id past int32: {max(tokens)}", key=key)
+    return tuple(tokens) or None
+
+
 def _gguf_array(tensor, path):
     """The tensor's values as a NumPy array in numpy shape (GGUF ``ne`` reversed)."""
     from gguf import GGMLQuantizationType as T
@@ -141,15 +162,16 @@ def load_gguf(path, *, scale=1.0, dtype=None):
     ``ne = [r, n_out]`` are A ``[r, n_in]`` and B ``[n_out, r]`` as stored.  ``token_embd.weight``
     is flipped upstream: ``lora_a`` ``ne = [r, n_vocab]`` is the per-token table and becomes B
     ``[n_vocab, r]``, ``lora_b`` ``ne = [r, n_embd]`` becomes A ``[r, n_embd]`` (transposed), so
-    token ``t``'s delta is row ``t`` of ``s * B @ A``.
+    token ``t``'s delta is row ``t`` of ``s * B @ A``.  An activated LoRA's
+    ``adapter.alora.invocation_tokens`` (UINT32 array) becomes `LoraAdapter.invocation_tokens`.
 
     Scale (llama.cpp ``get_scale``): ``scale * alpha / rank``, or ``scale`` when alpha is 0.
     ``dtype``: None keeps F32, F16 and BF16 and turns F64 and Q8_0 (dequantized with
     ``gguf.quants``) into float32; or one of ``"float32"``, ``"float16"``, ``"bfloat16"``.
 
     Raises `LoraFormatError` (naming the file and the tensor or metadata key) for a file that is
-    not a GGUF LoRA adapter, wrong ``general.type`` / ``adapter.type``, an activated LoRA
-    (``adapter.alora.invocation_tokens``), a truncated file or one declaring more data than it
+    not a GGUF LoRA adapter, wrong ``general.type`` / ``adapter.type``, an
+    ``adapter.alora.invocation_tokens`` that is not an array of UINT32, a truncated file or one declaring more data than it
     holds, an unknown tensor name, a pair missing a half, shapes that do not pair, an unsupported
     tensor type or non-finite values; ``FileNotFoundError`` for a missing file; ``ValueError`` for
     a bad ``dtype`` or ``scale``.  Nothing is returned unless the whole file is valid.
@@ -178,10 +200,7 @@ def load_gguf(path, *, scale=1.0, dtype=None):
     if atype != "lora":
         raise format_error(p, f"not a LoRA adapter: adapter.type is {atype!r}, want 'lora'",
                      key="adapter.type")
-    if "adapter.alora.invocation_tokens" in reader.fields:
-        raise format_error(p, "unsupported: an activated LoRA (aLoRA) applies its delta only after the "
-                     "invocation tokens; this library applies a delta everywhere",
-                     key="adapter.alora.invocation_tokens")
+    invocation_tokens = _gguf_invocation_tokens(reader, p)
     alpha = 0.0
     field = reader.fields.get("adapter.lora.alpha")
     if field is not None:
@@ -267,7 +286,8 @@ def load_gguf(path, *, scale=1.0, dtype=None):
                            storage=pair_storage(dta, dtb), tensors=(ta.name, tb.name)))
     del reader      # drop the memory map; the deltas own copies
 
-    adapter = build_adapter(pairs, path=p, name=name, alpha=alpha, scale=shared, dtype=storage)
+    adapter = build_adapter(pairs, path=p, name=name, alpha=alpha, scale=shared, dtype=storage,
+                            invocation_tokens=invocation_tokens)
     if skipped:
         shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
         warnings.warn(f"{os.fspath(p)}: skipped {len(skipped)} norm tensor(s) ({shown}), "

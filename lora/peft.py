@@ -28,8 +28,6 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "
 _PEFT_REFUSED = {
     "use_dora": "DoRA (use_dora) rescales the merged weight column-wise; it is not a plain LoRA delta",
     "lora_bias": "lora_bias adds a bias vector to lora_B; only bias-free LoRA is supported",
-    "alora_invocation_tokens": "activated LoRA (aLoRA) applies the delta only after its invocation "
-                               "tokens; this library applies a delta everywhere",
     "use_qalora": "QA-LoRA pools the input before lora_A; not a plain LoRA delta",
     "use_bdlora": "BD-LoRA (use_bdlora) is not a plain LoRA delta",
     "arrow_config": "Arrow routes each token among several LoRA experts; not one plain delta",
@@ -134,7 +132,21 @@ def _peft_config(cfg_path):
         "rank_pattern": pattern("rank_pattern", integer=True),
         "alpha_pattern": pattern("alpha_pattern", integer=False),
         "target_modules": targets,
+        "alora_invocation_tokens": _peft_invocation_tokens(cfg_path, cfg),
     }
+
+
+def _peft_invocation_tokens(cfg_path, cfg):
+    """Activated LoRA's ``alora_invocation_tokens``: None (absent, null, or an empty list: PEFT
+    tests the list's truth, so those are plain LoRA), else a tuple of non-negative int ids."""
+    tokens = cfg.get("alora_invocation_tokens")
+    if tokens is None or tokens == []:
+        return None
+    if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                             and t >= 0 for t in tokens)):
+        raise format_error(cfg_path, f"must be a list of non-negative integer token ids, got "
+                           f"{tokens!r}", key="alora_invocation_tokens")
+    return tuple(tokens)
 
 
 def _pattern_matches(key, module):
@@ -336,7 +348,8 @@ def load_peft(path, *, scale=1.0, dtype=None):
     ``.lora_embedding_B`` ``[dim, r]`` are transposed so the base is the embedding table
     (``rows = vocab``, ``cols = dim``) and token ``t``'s delta is row ``t`` of ``s * B @ A``.
     ``*.base_layer.weight`` copies are skipped.  ``fan_in_fan_out`` changes nothing here: A and B
-    are used as stored, and the base is merged through its transposed view.
+    are used as stored, and the base is merged through its transposed view.  An activated LoRA's
+    ``alora_invocation_tokens`` becomes `LoraAdapter.invocation_tokens` (see ``alora_mask``).
 
     Scale (PEFT ``tuners/lora``): ``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``, per
     module after ``rank_pattern`` / ``alpha_pattern`` (first key ``k`` in file order with
@@ -350,8 +363,8 @@ def load_peft(path, *, scale=1.0, dtype=None):
 
     Raises `LoraFormatError` (naming the file and the tensor or config key) for a file that is not
     a LoRA adapter (a random file, or a base model's ``model.safetensors``: no lora_A/lora_B
-    tensors and no config beside it), a missing or unreadable config, ``peft_type`` other than LORA, DoRA, ``lora_bias``, aLoRA, other non-LoRA
-    options, a truncated or foreign file, an unknown key, a pair missing a half, shapes or ranks
+    tensors and no config beside it), a missing or unreadable config, ``peft_type`` other than LORA, DoRA, ``lora_bias``, other non-LoRA
+    options, ``alora_invocation_tokens`` that are not a list of non-negative ints, a truncated or foreign file, an unknown key, a pair missing a half, shapes or ranks
     that do not pair, an unsupported dtype or non-finite values; ``FileNotFoundError`` for a
     missing path; ``ValueError`` for a bad ``dtype`` or ``scale``.  Nothing is returned unless
     the whole file is valid.
@@ -361,7 +374,8 @@ def load_peft(path, *, scale=1.0, dtype=None):
     weights_path, cfg_path, name = _peft_paths(path)
     cfg, pairs, unmatched = _peft_parse(weights_path, cfg_path)
     adapter = build_adapter(pairs, path=weights_path, name=name, alpha=cfg["lora_alpha"],
-                            scale=shared, dtype=storage)
+                            scale=shared, dtype=storage,
+                            invocation_tokens=cfg["alora_invocation_tokens"])
     for which, key in unmatched:
         warnings.warn(f"{os.fspath(cfg_path)}: {which} key {key!r} matches no module in "
                       f"{weights_path.name}; it is ignored", UserWarning, stacklevel=2)

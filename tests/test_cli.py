@@ -65,6 +65,13 @@ def test_inspect_peft_safetensors_file_with_scale():
     assert line.split()[6] == "0.5"                                 # 0.25 * 16 / 8
 
 
+def test_inspect_alora_shows_its_invocation_tokens():
+    res = _run("inspect", FIXTURES / "peft_r8_alpha16_alora")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0].endswith(", aLoRA invocation tokens [17, 42, 5]")
+    assert "invocation" not in _run("inspect", PEFT_DIR).stdout
+
+
 def test_inspect_gguf():
     res = _run("inspect", GGUF_LORA, "--scale", "0.5")
     assert res.returncode == 0, res.stderr

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 import lora
@@ -30,6 +30,8 @@ import _adapter_files as af
 FIXTURES = Path(__file__).parent / "fixtures"
 PEFT_DIR = FIXTURES / "peft_r8_alpha16"
 PEFT_REF = FIXTURES / "peft_r8_alpha16_reference.npz"
+PEFT_ALORA_DIR = FIXTURES / "peft_r8_alpha16_alora"      # the same adapter as aLoRA, no embedding
+ALORA_TOKENS = (17, 42, 5)
 GGUF_LORA = FIXTURES / "gguf" / "lora_r8_alpha16_f32.gguf"
 GGUF_BASE = FIXTURES / "gguf" / "base_f32.gguf"
 GGUF_MERGED = FIXTURES / "gguf" / "merged_r8_alpha16_f32_s1.gguf"
@@ -624,6 +626,111 @@ def test_gguf_norm_tensors_are_skipped_with_a_warning(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
+# activated LoRA (aLoRA)
+# ------------------------------------------------------------------------------------------
+
+
+def _assert_same_deltas(got, want):
+    assert list(got) == list(want)
+    for name, delta in got.items():
+        assert delta.effective_scale == want[name].effective_scale
+        for x, y in zip(delta.lora_weights(), want[name].lora_weights()):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_peft_alora_fixture_loads_with_its_invocation_tokens(peft_adapter):
+    adapter = load_peft(PEFT_ALORA_DIR)
+    assert adapter.invocation_tokens == ALORA_TOKENS and peft_adapter.invocation_tokens is None
+    assert "invocation_tokens=[17, 42, 5]" in repr(adapter)
+    _assert_same_deltas(adapter, {m: d for m, d in peft_adapter.items() if m != "model.embed_tokens"})
+    seq = [1, 17, 42, 5, 9, 17, 42, 5, 3, 17, 42]        # last whole occurrence starts at 5
+    np.testing.assert_array_equal(adapter.alora_mask(seq), np.arange(len(seq)) >= 5)
+    assert peft_adapter.alora_mask(seq).all()                # plain LoRA applies everywhere
+    assert not adapter.alora_mask([17, 42, 3, 5]).any()      # no whole occurrence: nowhere
+
+
+def _gguf_fixture_with(path, extra_kv):
+    """The llama.cpp fixture rewritten by GGUFWriter with extra metadata (tensors unchanged)."""
+    reader = GGUFReader(str(GGUF_LORA))
+    tensors = [(t.name, np.array(t.data), None) for t in reader.tensors]
+    name = reader.fields["general.name"].contents()
+    return af.write_gguf(path, tensors, name=name, extra_kv=extra_kv)
+
+
+def test_gguf_alora_reads_llama_cpp_invocation_tokens(tmp_path):
+    """adapter.alora.invocation_tokens, an array of UINT32 as llama.cpp's converter writes it."""
+    path = _gguf_fixture_with(tmp_path / "alora.gguf", {
+        "adapter.alora.invocation_tokens": (list(ALORA_TOKENS), GGUFValueType.UINT32)})
+    adapter = load_gguf(path)
+    assert adapter.invocation_tokens == ALORA_TOKENS
+    _assert_same_deltas(adapter, load_gguf(GGUF_LORA))
+    np.testing.assert_array_equal(adapter.alora_mask([0, 17, 42, 5, 17, 42, 5, 9]),
+                                  [False] * 4 + [True] * 4)
+
+
+@pytest.mark.parametrize("tokens", [[], None])
+def test_empty_invocation_tokens_mean_plain_lora(peft_dir, tokens):
+    """PEFT tests the list's truth: an empty (or null) alora_invocation_tokens is plain LoRA."""
+    adapter = load_peft(peft_dir(_q_pair(), af.peft_config(alora_invocation_tokens=tokens)))
+    assert adapter.invocation_tokens is None and adapter.alora_mask([1, 2]).all()
+
+
+@pytest.mark.parametrize("tokens", [[1, -2], [1, 2.0], ["a"], [True], "17 42", {"a": 1}, 17])
+def test_peft_refuses_invocation_tokens_that_are_not_token_ids(peft_dir, tokens):
+    path = peft_dir(_q_pair(), af.peft_config(alora_invocation_tokens=tokens))
+    _assert_format_error(lambda: load_peft(path), path / "adapter_config.json",
+                         "alora_invocation_tokens")
+
+
+def _alora(tokens):
+    return LoraAdapter({}, name="a", alpha=0.0, scale=LoraScale(), invocation_tokens=tokens)
+
+
+def test_alora_mask_equals_peft_calculate_alora_offsets():
+    """Our mask against PEFT's own rule on many random sequences: PEFT's offset o (None: not
+    found) switches the adapter on for the last o positions."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+    from peft.tuners.lora.variants import calculate_alora_offsets
+
+    rng = np.random.default_rng(50)
+    for trial in range(600):
+        tokens = rng.integers(0, 3, rng.integers(1, 5)).tolist()     # small vocab: many hits
+        seq = rng.integers(0, 3, rng.integers(0, 30))
+        cfg = {"default": LoraConfig(alora_invocation_tokens=tokens, task_type="CAUSAL_LM")}
+        (offset,) = calculate_alora_offsets(cfg, "default", torch.tensor(seq[None], dtype=torch.long))
+        n = len(seq)
+        want = np.zeros(n, bool) if offset is None else np.arange(n) >= n - offset
+        ids = (seq.tolist(), seq.astype(np.int32), torch.tensor(seq))[trial % 3]
+        got = _alora(tokens).alora_mask(ids)
+        assert got.dtype == np.bool_ and got.shape == (n,)
+        np.testing.assert_array_equal(got, want, err_msg=f"tokens {tokens}, sequence {seq.tolist()}")
+
+
+def test_alora_mask_inputs_and_errors():
+    adapter = _alora((7, 7))
+    want = [False, False, True, True, True]         # [7, 7] occurs at 1 and 2: the last wins
+    for ids in ([3, 7, 7, 7, 1], np.array([3, 7, 7, 7, 1], np.uint16), range(3, 4)):
+        if isinstance(ids, range):
+            np.testing.assert_array_equal(adapter.alora_mask(ids), [False])
+        else:
+            np.testing.assert_array_equal(adapter.alora_mask(ids), want)
+    assert adapter.alora_mask([]).shape == (0,) and adapter.alora_mask([]).dtype == np.bool_
+    with pytest.raises(TypeError):
+        adapter.alora_mask([3.0, 7.0])
+    with pytest.raises(TypeError):
+        adapter.alora_mask([True, False])
+    with pytest.raises(ValueError):
+        adapter.alora_mask([[7, 7]])
+    with pytest.raises(TypeError):
+        _alora(["7"])
+    with pytest.raises(ValueError):
+        _alora([-1])
+    assert _alora(np.array([1, 2])).invocation_tokens == (1, 2) and _alora(()).invocation_tokens is None
+
+
+# ------------------------------------------------------------------------------------------
 # broken files: every refusal names the file and the tensor (or config/metadata key)
 # ------------------------------------------------------------------------------------------
 
@@ -796,7 +903,7 @@ def test_peft_refuses_dora(peft_dir):
 
 
 @pytest.mark.parametrize("key, value", [
-    ("lora_bias", True), ("alora_invocation_tokens", [1, 2]), ("modules_to_save", ["lm_head"]),
+    ("lora_bias", True), ("modules_to_save", ["lm_head"]),
     ("target_parameters", ["experts.gate_up_proj"]), ("bias", "all"),
 ])
 def test_peft_refuses_non_lora_options(peft_dir, key, value):
@@ -890,9 +997,13 @@ def test_gguf_refuses_wrong_types(tmp_path, general_type, adapter_type, key):
     _assert_format_error(lambda: load_gguf(path), path, key, "not a LoRA adapter")
 
 
-def test_gguf_refuses_activated_lora(tmp_path):
+@pytest.mark.parametrize("value", [[5, 6, 7], ([5, 6, 7], GGUFValueType.INT64), "5 6 7", 5.0,
+                                   ([5, 1 << 31], GGUFValueType.UINT32)])
+def test_gguf_refuses_invocation_tokens_llama_cpp_would_refuse(tmp_path, value):
+    """llama.cpp reads adapter.alora.invocation_tokens only as an array of UINT32 (a plain
+    ``add_array`` of ints writes INT32) into int32 token ids."""
     path = af.write_gguf(tmp_path / "alora.gguf", _gguf_ok(),
-                         extra_kv={"adapter.alora.invocation_tokens": [5, 6, 7]})
+                         extra_kv={"adapter.alora.invocation_tokens": value})
     _assert_format_error(lambda: load_gguf(path), path, "adapter.alora.invocation_tokens")
 
 
