@@ -12,6 +12,7 @@ config key): `format_error` writes it.
 
 import operator
 import os
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -45,6 +46,60 @@ def _invocation_tokens(tokens):
             raise ValueError(f"invocation_tokens must be non-negative token ids, got {t}")
         out.append(t)
     return tuple(out) or None
+
+
+# Hugging Face <-> GGUF names of the Llama family (llama.cpp's convert_hf_to_gguf.py tensor map)
+_GGUF_TO_HF_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_TO_HF_MODEL = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head"}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)")
+_NAME_MAPS = {
+    # to: (whole-model names, block pattern, block part map, block name format)
+    "hf": (_GGUF_TO_HF_MODEL, _GGUF_BLOCK, _GGUF_TO_HF_BLOCK, "model.layers.{}.{}"),
+    "gguf": ({v: k for k, v in _GGUF_TO_HF_MODEL.items()}, _HF_BLOCK,
+             {v: k for k, v in _GGUF_TO_HF_BLOCK.items()}, "blk.{}.{}.weight"),
+}
+# attn_q / attn_k rows are permuted by llama.cpp's converter; the heads they are split over
+_ROPE_PERMUTED = {"attn_q": "n_head", "attn_k": "n_head_kv"}
+
+
+def _renamed_target(name, to):
+    """(the name in convention ``to``, the GGUF block part such as "attn_q", or None); None
+    when ``name`` is outside the Llama-family map (a name already in ``to`` included)."""
+    model_names, block, parts, fmt = _NAME_MAPS[to]
+    if name in model_names:
+        return model_names[name], None
+    m = block.fullmatch(name)
+    if m is None or m.group(2) not in parts:
+        return None
+    part = parts[m.group(2)]
+    return fmt.format(m.group(1), part), (m.group(2) if to == "hf" else part)
+
+
+def llama_rope_permutation(n, heads):
+    """llama.cpp's q/k row order (convert_hf_to_gguf.py ``LlamaModel.permute``) for ``n`` rows
+    over ``heads`` heads: ``gguf_rows = hf_rows[perm]``, an int64 array ``[n]``.  Raises
+    ``ValueError`` when ``n`` is not a multiple of ``2 * heads``."""
+    if heads < 1 or n % (2 * heads):
+        raise ValueError(f"{n} rows cannot be split over {heads} heads of two rotary halves "
+                         f"(rows must be a multiple of 2 * heads = {2 * heads})")
+    return np.arange(n).reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(n)
+
+
+def _heads_arg(value, what):
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be a positive integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a positive integer, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value}")
+    return value
 
 
 class LoraAdapter(Mapping):
@@ -189,6 +244,65 @@ class LoraAdapter(Mapping):
             if starts.size:
                 mask[starts[-1]:] = True
         return mask
+
+    def renamed(self, to, *, n_head, n_head_kv):
+        """The same adapter under the other naming convention: a new `LoraAdapter` that shares
+        this one's `LoraScale` (and name, alpha, invocation tokens), for the Llama family.
+
+        ``to="hf"``: GGUF names -> Hugging Face module paths; ``to="gguf"``: the reverse.  The
+        map: ``blk.N.attn_q/attn_k/attn_v/attn_output.weight`` <->
+        ``model.layers.N.self_attn.{q,k,v,o}_proj``, ``blk.N.ffn_gate/ffn_up/ffn_down.weight``
+        <-> ``model.layers.N.mlp.{gate,up,down}_proj``, ``token_embd.weight`` <->
+        ``model.embed_tokens``, ``output.weight`` <-> ``lm_head``.  llama.cpp's converter
+        reorders the rows of attn_q (over ``n_head`` heads) and attn_k (over ``n_head_kv``) for
+        its RoPE layout, ``gguf_rows = hf_rows[perm]`` (`llama_rope_permutation`): ``to="hf"``
+        undoes it on lora_b, ``to="gguf"`` applies it; lora_a is never permuted.  The factors
+        keep their storage dtype and bits; alpha, rsLoRA and PEFT's alpha-0 rule carry over, so
+        every ``effective_scale`` is unchanged.  The caller vouches that the model is of the
+        Llama family.
+
+        Raises `LoraFormatError` naming a target outside the map (one already in the ``to``
+        convention included), ``ValueError`` for another ``to``, non-positive head counts, or
+        q/k rows that are not a multiple of ``2 * heads``; ``TypeError`` for non-integer heads.
+        Nothing is built unless every target renames.
+        """
+        if to not in _NAME_MAPS:
+            raise ValueError(f"to must be 'hf' or 'gguf', got {to!r}")
+        heads = {"n_head": _heads_arg(n_head, "n_head"),
+                 "n_head_kv": _heads_arg(n_head_kv, "n_head_kv")}
+        plan = []
+        for name, delta in self._deltas.items():
+            renamed = _renamed_target(name, to)
+            if renamed is None:
+                other = "Hugging Face" if to == "hf" else "GGUF"
+                raise LoraFormatError(
+                    f"adapter '{self._name}': target '{name}' has no {other} name in the Llama "
+                    f"family map (blk.N.attn_q/k/v/output, ffn_gate/up/down, token_embd, output "
+                    f"<-> model.layers.N.self_attn/mlp.*_proj, model.embed_tokens, lm_head)")
+            new_name, part = renamed
+            perm = None
+            if part in _ROPE_PERMUTED:
+                which = _ROPE_PERMUTED[part]
+                try:
+                    perm = llama_rope_permutation(delta.rows, heads[which])
+                except ValueError as exc:
+                    raise ValueError(f"adapter '{self._name}': target '{name}' ({which} = "
+                                     f"{heads[which]}): {exc}") from None
+                if to == "hf":
+                    perm = np.argsort(perm)
+            plan.append((name, new_name, delta, perm))
+        deltas, zeroed = {}, []
+        for name, new_name, delta, perm in plan:
+            a, b = delta.lora_weights()
+            make = peft_delta if name in self._peft_zero_alpha else LoraDelta
+            deltas[new_name] = make(a, b if perm is None else b[perm], alpha=delta.alpha,
+                                    scale=self._scale, rslora=delta.rslora, dtype=delta.dtype)
+            if name in self._peft_zero_alpha:
+                zeroed.append(new_name)
+        adapter = LoraAdapter(deltas, name=self._name, alpha=self._alpha, scale=self._scale,
+                              invocation_tokens=self._invocation_tokens)
+        adapter._peft_zero_alpha = frozenset(zeroed)
+        return adapter
 
     def __repr__(self):
         alora = "" if self._invocation_tokens is None else \

@@ -23,6 +23,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 import lora
+import lora.adapter
 from lora import LoraAdapter, LoraFormatError, LoraScale, LoraShapeError, load_gguf, load_peft
 
 import _adapter_files as af
@@ -36,6 +37,8 @@ GGUF_LORA = FIXTURES / "gguf" / "lora_r8_alpha16_f32.gguf"
 GGUF_BASE = FIXTURES / "gguf" / "base_f32.gguf"
 GGUF_MERGED = FIXTURES / "gguf" / "merged_r8_alpha16_f32_s1.gguf"
 GGUF_REF = FIXTURES / "llamacpp_r8_alpha16_f32_reference.npz"
+_BASE = json.loads((FIXTURES / "base_config.json").read_text())
+N_HEAD, N_HEAD_KV = _BASE["num_attention_heads"], _BASE["num_key_value_heads"]
 
 U32 = 2.0 ** -24        # unit roundoff of float32
 
@@ -268,20 +271,108 @@ def test_gguf_against_the_real_base_and_merged_files(gguf_ref):
                           float(gguf_ref[f"{tensor}/scale"]))
 
 
-def test_gguf_and_peft_adapters_agree_up_to_the_rope_row_order(peft_adapter, gguf_ref):
-    """The same adapter through both loaders: equal deltas once the converter's attn_q/attn_k row
-    permutation is applied; this pins the two embedding transposes to each other."""
+def test_gguf_renamed_to_hf_is_the_peft_adapter(peft_adapter, gguf_ref):
+    """The same adapter through both loaders: renaming the GGUF one to Hugging Face names undoes
+    the converter's attn_q/attn_k row permutation and gives the PEFT adapter's factors -- bit for
+    bit, as both files are F32 -- which also pins the two embedding transposes to each other."""
+    gg = load_gguf(GGUF_LORA, scale=0.5)
+    hf = gg.renamed("hf", n_head=N_HEAD, n_head_kv=N_HEAD_KV)
+    assert isinstance(hf, LoraAdapter) and hf.scale is gg.scale
+    assert (hf.name, hf.alpha, hf.invocation_tokens) == (gg.name, gg.alpha, None)
+    assert sorted(hf) == sorted(peft_adapter)
+    peft_adapter.scale.set(0.5)
+    try:
+        for tensor in GGUF_TENSORS:
+            module = str(gguf_ref[f"{tensor}/hf_module"])
+            got, want = hf[module], peft_adapter[module]
+            assert got.scale is gg.scale and got.effective_scale == want.effective_scale
+            for x, y in zip(got.lora_weights(), want.lora_weights()):
+                np.testing.assert_array_equal(x, y, err_msg=f"{tensor} -> {module}")
+            perm = gguf_ref.get(f"{tensor}/hf_row_perm")     # the converter's own row order
+            if perm is not None:
+                heads = N_HEAD if "attn_q" in tensor else N_HEAD_KV
+                np.testing.assert_array_equal(
+                    lora.adapter.llama_rope_permutation(len(perm), heads), perm)
+                np.testing.assert_array_equal(gg[tensor].lora_weights()[1],
+                                              want.lora_weights()[1][perm])
+    finally:
+        peft_adapter.scale.set(1.0)
+
+
+def test_renamed_back_to_gguf_gives_the_gguf_bits():
     gg = load_gguf(GGUF_LORA)
-    for tensor in GGUF_TENSORS:
-        module = str(gguf_ref[f"{tensor}/hf_module"])
-        from_peft = peft_adapter[module].delta_weight()
-        perm = gguf_ref.get(f"{tensor}/hf_row_perm")
-        if perm is not None:
-            from_peft = from_peft[perm]
-        prod, rank = _gguf_product(gguf_ref, tensor)
-        s = float(gguf_ref[f"{tensor}/scale"])
-        _assert_close(gg[tensor].delta_weight(), from_peft, _bound(s * prod, rank + 1),
-                      signal=from_peft)
+    back = gg.renamed("hf", n_head=N_HEAD, n_head_kv=N_HEAD_KV).renamed(
+        "gguf", n_head=N_HEAD, n_head_kv=N_HEAD_KV)
+    assert list(back) == list(gg) and back.scale is gg.scale
+    for name, delta in gg.items():
+        assert (back[name].dtype, back[name].alpha, back[name].effective_scale) == \
+            (delta.dtype, delta.alpha, delta.effective_scale)
+        for x, y in zip(back[name].lora_weights(), delta.lora_weights()):
+            np.testing.assert_array_equal(x, y)
+    gg.scale.set(0.25)                                   # shared: the renamed deltas follow
+    assert back["output.weight"].effective_scale == gg["output.weight"].effective_scale == 0.5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_renamed_keeps_half_precision_bits_rslora_and_alora(tmp_path, dtype):
+    _require_storage(dtype)
+    rng = np.random.default_rng(60)
+    tensors = af.linear_pair(rng, "model.layers.3.self_attn.q_proj", 24, 16, 4)
+    tensors.update(af.linear_pair(rng, "model.layers.3.self_attn.k_proj", 8, 16, 4))
+    cfg = af.peft_config(use_rslora=True, alora_invocation_tokens=[9, 8])
+    adapter = load_peft(af.write_peft(tmp_path / "p", tensors, cfg), dtype=dtype)
+    gg = adapter.renamed("gguf", n_head=3, n_head_kv=1)
+    assert list(gg) == ["blk.3.attn_k.weight", "blk.3.attn_q.weight"]      # file order
+    assert gg.invocation_tokens == (9, 8) and gg.dtype == dtype
+    for (name, d), (module, src) in zip(gg.items(), adapter.items()):
+        assert d.rslora and d.effective_scale == src.effective_scale
+        perm = lora.adapter.llama_rope_permutation(src.rows, 3 if "attn_q" in name else 1)
+        (a, b), (sa, sb) = d.lora_weights(), src.lora_weights()
+        np.testing.assert_array_equal(a.view(np.uint16), sa.view(np.uint16))   # A: never permuted
+        np.testing.assert_array_equal(b.view(np.uint16), sb[perm].view(np.uint16))
+
+
+def test_renamed_keeps_peft_alpha_zero_rule(tmp_path):
+    """PEFT's lora_alpha = 0 is a zero delta; the renamed delta stays zero (it does not become
+    llama.cpp's "no alpha", factor 1), while a GGUF file's missing alpha stays factor 1."""
+    rng = np.random.default_rng(61)
+    tensors = af.linear_pair(rng, "model.layers.0.mlp.up_proj", 24, 16, 4)
+    with pytest.warns(UserWarning, match="alpha is 0"):
+        adapter = load_peft(af.write_peft(tmp_path / "z", tensors,
+                                          af.peft_config(lora_alpha=0, target_modules=["up_proj"])))
+    adapter.scale.set(0.0)             # nothing to tell the rules apart by, but the loader's record
+    gg = adapter.renamed("gguf", n_head=1, n_head_kv=1)
+    gg.scale.set(3.0)
+    assert gg["blk.0.ffn_up.weight"].effective_scale == 0.0
+    assert adapter.renamed("gguf", n_head=1, n_head_kv=1).renamed(
+        "hf", n_head=1, n_head_kv=1)["model.layers.0.mlp.up_proj"].effective_scale == 0.0
+    path = af.write_gguf(tmp_path / "a.gguf", af.gguf_linear(rng, "blk.0.ffn_up.weight", 24, 16, 4),
+                         alpha=None)
+    hf = load_gguf(path, scale=3.0).renamed("hf", n_head=1, n_head_kv=1)
+    assert hf["model.layers.0.mlp.up_proj"].effective_scale == 3.0
+
+
+def test_renamed_refuses_names_outside_the_map_and_bad_heads(peft_adapter, tmp_path):
+    with pytest.raises(LoraFormatError, match=r"target '(lm_head|model\.[^']*)' has no Hugging"):
+        peft_adapter.renamed("hf", n_head=N_HEAD, n_head_kv=N_HEAD_KV)     # already HF names
+    gg = load_gguf(GGUF_LORA)
+    with pytest.raises(LoraFormatError, match=rf"target '{list(gg)[0]}' has no GGUF name"):
+        gg.renamed("gguf", n_head=N_HEAD, n_head_kv=N_HEAD_KV)                # already GGUF
+    rng = np.random.default_rng(62)
+    path = af.write_gguf(tmp_path / "qkv.gguf",
+                         af.gguf_linear(rng, "blk.0.attn_qkv.weight", 24, 16, 4))
+    with pytest.raises(LoraFormatError, match=r"'blk\.0\.attn_qkv\.weight'"):
+        load_gguf(path).renamed("hf", n_head=2, n_head_kv=2)
+    with pytest.raises(ValueError, match=r"attn_q.*n_head = 3.*multiple of 2 \* heads = 6"):
+        gg.renamed("hf", n_head=3, n_head_kv=N_HEAD_KV)                    # q rows: 64
+    with pytest.raises(ValueError, match=r"attn_k.*n_head_kv = 3"):
+        gg.renamed("hf", n_head=N_HEAD, n_head_kv=3)                       # k rows: 32
+    with pytest.raises(ValueError, match="to must be"):
+        gg.renamed("llama", n_head=N_HEAD, n_head_kv=N_HEAD_KV)
+    with pytest.raises(ValueError):
+        gg.renamed("hf", n_head=0, n_head_kv=N_HEAD_KV)
+    with pytest.raises(TypeError):
+        gg.renamed("hf", n_head=4.0, n_head_kv=N_HEAD_KV)
 
 
 # ------------------------------------------------------------------------------------------
