@@ -27,6 +27,21 @@ __all__ = ["LoraAdapter"]
 _STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 
+def _int_arg(value, what, minimum):
+    """``value`` as an int >= ``minimum``: an int or NumPy integer, not a bool (TypeError), not
+    below ``minimum`` (ValueError); the messages name ``what``."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if value < minimum:
+                raise ValueError(f"{what}: want integers >= {minimum}, got {value}")
+            return value
+    raise TypeError(f"{what}: want integers >= {minimum}, got {value!r}")
+
+
 def _invocation_tokens(tokens):
     """None, or a non-empty tuple of non-negative int token ids.  An empty sequence is plain LoRA,
     as in PEFT (which tests the list's truth) and llama.cpp (an empty sequence never activates)."""
@@ -34,18 +49,7 @@ def _invocation_tokens(tokens):
         return None
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
         raise TypeError(f"invocation_tokens must be a sequence of token ids, got {tokens!r}")
-    out = []
-    for t in tokens:
-        if isinstance(t, (bool, np.bool_)):
-            raise TypeError(f"invocation_tokens must be integer token ids, got {t!r}")
-        try:
-            t = operator.index(t)
-        except TypeError:
-            raise TypeError(f"invocation_tokens must be integer token ids, got {t!r}") from None
-        if t < 0:
-            raise ValueError(f"invocation_tokens must be non-negative token ids, got {t}")
-        out.append(t)
-    return tuple(out) or None
+    return tuple(_int_arg(t, "invocation_tokens", 0) for t in tokens) or None
 
 
 # Hugging Face <-> GGUF names of the Llama family (llama.cpp's convert_hf_to_gguf.py tensor map)
@@ -88,18 +92,6 @@ def llama_rope_permutation(n, heads):
         raise ValueError(f"{n} rows cannot be split over {heads} heads of two rotary halves "
                          f"(rows must be a multiple of 2 * heads = {2 * heads})")
     return np.arange(n).reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(n)
-
-
-def _heads_arg(value, what):
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be a positive integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be a positive integer, got {value!r}") from None
-    if value < 1:
-        raise ValueError(f"{what} must be a positive integer, got {value}")
-    return value
 
 
 class LoraAdapter(Mapping):
@@ -268,8 +260,8 @@ class LoraAdapter(Mapping):
         """
         if to not in _NAME_MAPS:
             raise ValueError(f"to must be 'hf' or 'gguf', got {to!r}")
-        heads = {"n_head": _heads_arg(n_head, "n_head"),
-                 "n_head_kv": _heads_arg(n_head_kv, "n_head_kv")}
+        heads = {"n_head": _int_arg(n_head, "n_head", 1),
+                 "n_head_kv": _int_arg(n_head_kv, "n_head_kv", 1)}
         plan = []
         for name, delta in self._deltas.items():
             renamed = _renamed_target(name, to)
