@@ -5,8 +5,8 @@
     y = W @ x                                        # your base projection
     d.add_to(x, y)                                   # y += (alpha / rank) * B (A x)
 
-The contract (shapes, scale rules, errors, guarantees) is SPEC.md; `python -m lora info` prints
-the kernel path this machine uses.
+The README states the contract (shapes, scale rules, errors, guarantees); `python -m lora info`
+prints the kernel path this machine uses.
 """
 
 from ._runtime import __version__, get_num_threads, kernel_info, set_num_threads
@@ -14,7 +14,9 @@ from .adapter_set import AdapterSet
 from .bank import LoraBank
 from .delta import LoraDelta, LoraStack
 from .errors import LoraFormatError, LoraShapeError
-from .loaders import LoraAdapter, load_gguf, load_peft
+from .adapter import LoraAdapter
+from .gguf import load_gguf
+from .peft import load_peft
 from .scale import LoraScale
 
 __all__ = [

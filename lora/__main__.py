@@ -40,19 +40,13 @@ def _info(out):
         print(f"{key}: {value}", file=out)
 
 
-def _is_gguf(path):
-    if os.path.isdir(path):
-        return False
-    with open(path, "rb") as fh:
-        return fh.read(4) == b"GGUF"
-
-
 def _inspect(args, out):
     import lora
+    from lora.gguf import is_gguf_file
 
     if not os.path.exists(args.path):
         raise FileNotFoundError(f"no such file or directory: {args.path}")
-    fmt = "GGUF" if _is_gguf(args.path) else "PEFT"
+    fmt = "GGUF" if is_gguf_file(args.path) else "PEFT"
     load = lora.load_gguf if fmt == "GGUF" else lora.load_peft
     adapter = load(args.path, scale=args.scale, dtype=args.dtype)
 
@@ -65,8 +59,10 @@ def _inspect(args, out):
         return "  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
+    alora = "" if adapter.invocation_tokens is None else \
+        f", aLoRA invocation tokens {list(adapter.invocation_tokens)}"
     print(f"{adapter.name}: {fmt} LoRA adapter, {len(adapter)} targets, alpha {adapter.alpha:g}, "
-          f"scale {adapter.scale.value:g}, dtype {adapter.dtype}", file=out)
+          f"scale {adapter.scale.value:g}, dtype {adapter.dtype}{alora}", file=out)
     print(line(head), file=out)
     for r in rows:
         print(line(r), file=out)

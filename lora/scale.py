@@ -4,13 +4,18 @@ import math
 
 __all__ = ["LoraScale"]
 
+# Doubles at or above this magnitude round to inf in float32 (round to nearest even: halfway
+# between float32's largest value, (2 - 2**-23) * 2**127, and 2**128); everything below is finite.
+_F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
+
 
 class LoraScale:
     """A mutable float shared by every delta of one adapter (llama.cpp's per-adapter user scale).
 
     Deltas read it once per call, so ``scale.set(0.5)`` rescales every projection at once and
-    recomputes nothing.  ``value`` must be finite (``ValueError`` otherwise); negative scales and 0
-    are allowed (0 skips the delta before any arithmetic).
+    recomputes nothing.  ``value`` must be finite in float32, the precision the kernels compute
+    in (``ValueError`` otherwise, also for ``1e39``: finite as a Python float, inf in float32);
+    negative scales and 0 are allowed (0 skips the delta before any arithmetic).
     """
 
     __slots__ = ("_value",)
@@ -24,7 +29,8 @@ class LoraScale:
         return self._value
 
     def set(self, value):
-        """Set the scale; raises ``TypeError`` for a non-real value, ``ValueError`` if not finite."""
+        """Set the scale; raises ``TypeError`` for a non-real value, ``ValueError`` for one that is
+        not finite in float32 (nothing changes then)."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
             raise TypeError(f"LoraScale value must be a real number, got {type(value).__name__}")
         try:
@@ -35,6 +41,9 @@ class LoraScale:
             raise TypeError(f"LoraScale value must be a real number, got {value!r}") from None
         if not math.isfinite(v):
             raise ValueError(f"LoraScale value must be finite, got {v}")
+        if abs(v) >= _F32_OVERFLOW:     # the kernels compute in float32, where it would be inf
+            raise ValueError(f"LoraScale value must be finite in float32 (|value| <= "
+                             f"3.4028235e+38), got {v!r}")
         self._value = v
 
     value = property(get, set, doc="The current scale (float); setting it validates as `set`.")

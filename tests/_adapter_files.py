@@ -9,7 +9,7 @@ import json
 import struct
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.numpy import save_file
 
@@ -80,7 +80,10 @@ def write_gguf(path, tensors, *, general_type="adapter", adapter_type="lora", al
     ``tensors``: a list of ``(name, numpy_array, qtype)``; ``numpy_array`` has the numpy shape
     (GGUF ``ne`` reversed); ``qtype`` None writes the array's own dtype (F32/F16/F64/I32),
     else a `GGMLQuantizationType` (BF16, Q8_0, ...) quantized with `gguf.quants.quantize`.
-    None for ``general_type`` / ``adapter_type`` / ``alpha`` leaves that key out.
+    None for ``general_type`` / ``adapter_type`` / ``alpha`` leaves that key out.  ``extra_kv``
+    values: a str, a list (an array of the writer's default element type), a ``(list,
+    GGUFValueType)`` tuple (an array of that element type, as llama.cpp's converter writes
+    ``adapter.alora.invocation_tokens`` with UINT32), or a float.
     """
     w = GGUFWriter(str(path), "llama")
     if general_type is not None:
@@ -94,6 +97,8 @@ def write_gguf(path, tensors, *, general_type="adapter", adapter_type="lora", al
     for key, value in (extra_kv or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, tuple):          # (values, element type): a typed array
+            w.add_key_value(key, list(value[0]), GGUFValueType.ARRAY, value[1])
         elif isinstance(value, list):
             w.add_array(key, value)
         else:

@@ -21,11 +21,15 @@ GGUF_LORA = FIXTURES / "gguf" / "lora_r8_alpha16_f32.gguf"
 LORA_ROOT = Path(lora.__file__).resolve().parent.parent
 
 
-def _run(*args):
+def _python(*args):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(LORA_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return subprocess.run([sys.executable, "-m", "lora", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def _run(*args):
+    return _python("-m", "lora", *args)
 
 
 def _meta(name):
@@ -59,6 +63,13 @@ def test_inspect_peft_safetensors_file_with_scale():
     assert res.returncode == 0, res.stderr
     line = _target_lines(res.stdout, ["lm_head"])["lm_head"]
     assert line.split()[6] == "0.5"                                 # 0.25 * 16 / 8
+
+
+def test_inspect_alora_shows_its_invocation_tokens():
+    res = _run("inspect", FIXTURES / "peft_r8_alpha16_alora")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0].endswith(", aLoRA invocation tokens [17, 42, 5]")
+    assert "invocation" not in _run("inspect", PEFT_DIR).stdout
 
 
 def test_inspect_gguf():
@@ -105,6 +116,34 @@ def test_inspect_bad_file_exits_2_with_one_line(tmp_path, case):
     assert str(path) in err[0] and all(n in err[0] for n in names)
 
 
+@pytest.mark.parametrize("case", ["random_bytes", "base_model_safetensors", "empty"])
+def test_inspect_a_file_that_is_not_an_adapter_says_so(tmp_path, case):
+    """A random file, or a base model's model.safetensors (no adapter_config.json, no lora_A /
+    lora_B tensors): the one line says the file is not a LoRA adapter, and why."""
+    if case == "random_bytes":
+        path = tmp_path / "weights.bin"
+        path.write_bytes(np.random.default_rng(2).bytes(4096))
+        why = "neither a GGUF file nor a readable safetensors file"
+    elif case == "base_model_safetensors":
+        from safetensors.numpy import save_file
+
+        path = tmp_path / "base" / "model.safetensors"
+        path.parent.mkdir()
+        save_file({"model.embed_tokens.weight": np.ones((8, 4), np.float32),
+                   "model.layers.0.self_attn.q_proj.weight": np.ones((4, 4), np.float32)}, str(path))
+        why = "no adapter_config.json"
+    else:
+        path = tmp_path / "empty"
+        path.write_bytes(b"")
+        why = "neither a GGUF file nor a readable safetensors file"
+    res = _run("inspect", path)
+    assert res.returncode == 2 and res.stdout == ""
+    err = res.stderr.splitlines()
+    assert len(err) == 1, res.stderr
+    assert str(path) in err[0] and "not a LoRA adapter" in err[0] and why in err[0], err[0]
+    assert "adapter_config.json: missing" not in err[0]
+
+
 @pytest.mark.parametrize("args", [[], ["inspect"], ["bogus"],
                                   ["inspect", str(PEFT_DIR), "--dtype", "int8"],
                                   ["inspect", str(PEFT_DIR), "--scale", "nan"]])
@@ -123,3 +162,16 @@ def test_info_prints_kernel_info():
     got = dict(l.split(": ", 1) for l in lines)
     assert got["isa"] == info["isa"]
     assert got["available_isas"].split(", ") == list(info["available_isas"])
+
+
+def test_import_and_info_load_no_file_format_library():
+    """`import lora` and `python -m lora info` read no adapter file, so the loader side imports
+    gguf, safetensors and ml_dtypes only on first use, inside the loading functions."""
+    code = ("import sys, lora, lora.__main__ as cli\n"
+            "cli.main(['info'], out=open('/dev/null', 'w'))\n"
+            "print([m for m in ('gguf', 'safetensors') if m in sys.modules])\n"
+            "print([n for n in ('lora.adapter', 'lora.peft', 'lora.gguf', 'lora.__main__')\n"
+            "       if {'ml_dtypes', 'gguf', 'safetensors'} & set(vars(sys.modules[n]))])\n")
+    res = _python("-c", code)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["[]", "[]"]

@@ -471,6 +471,23 @@ def test_non_finite_alpha_and_scale_refused():
         assert s.value == 0.5 and s.get() == 0.5
 
 
+@pytest.mark.parametrize("bad", [1e39, -1e39, 3.5e38, 2.0 ** 128, 10 ** 39])
+def test_scale_past_float32_range_refused_where_it_is_set(bad):
+    """Finite as a Python float but inf in float32, the precision every call computes in: refused
+    when the scale is set, not at every later call."""
+    with pytest.raises(ValueError, match="finite in float32"):
+        lora.LoraScale(bad)
+    s = lora.LoraScale(0.5)
+    for setter in (s.set, lambda v: setattr(s, "value", v)):
+        with pytest.raises(ValueError, match="finite in float32"):
+            setter(bad)
+    assert s.value == 0.5
+    with pytest.raises(ValueError, match="finite in float32"):
+        lora.LoraDelta(np.ones((2, 4)), np.ones((3, 2)), scale=bad)
+    f32_max = float(np.finfo(np.float32).max)
+    assert lora.LoraScale(-f32_max).value == -f32_max       # the largest float32 is fine
+
+
 def test_storage_overflow_refused():
     a, b = np.ones((2, 4)), np.ones((3, 2))
     for dtype, big in (("float16", 70000.0), ("float16", 65520.0), ("bfloat16", 3.4e38),
@@ -669,10 +686,11 @@ def test_bank_sees_a_stack_filled_after_construction():
     assert not out[1].any()
 
 
-@pytest.mark.parametrize("alpha,scale", [(1e300, 1e300), (0.0, 1e39)])
+@pytest.mark.parametrize("alpha,scale", [(1e300, 1e30), (1e30, 1e10)])
 def test_non_finite_effective_scale_is_refused(alpha, scale):
-    """Finite as a double but not as float32 (1e39), or an overflowing product: ValueError and
-    out untouched, for the kernels and the offline merges alike."""
+    """A product of alpha factor and scale that is not finite in float32 (past a double's range,
+    or only past float32's): ValueError and out untouched, for the kernels and the offline merges
+    alike.  (A scale that is itself past float32's range is refused by LoraScale.)"""
     d = lora.LoraDelta(np.ones((2, 5)), np.ones((6, 2)), alpha=alpha, scale=scale)
     out = rand(np.random.default_rng(40), 6)
     rejects(ValueError, ["scale"], lambda: d.add_to(np.ones(5, np.float32), out), out)

@@ -19,10 +19,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 import lora
+import lora.adapter
 from lora import LoraAdapter, LoraFormatError, LoraScale, LoraShapeError, load_gguf, load_peft
 
 import _adapter_files as af
@@ -30,10 +31,14 @@ import _adapter_files as af
 FIXTURES = Path(__file__).parent / "fixtures"
 PEFT_DIR = FIXTURES / "peft_r8_alpha16"
 PEFT_REF = FIXTURES / "peft_r8_alpha16_reference.npz"
+PEFT_ALORA_DIR = FIXTURES / "peft_r8_alpha16_alora"      # the same adapter as aLoRA, no embedding
+ALORA_TOKENS = (17, 42, 5)
 GGUF_LORA = FIXTURES / "gguf" / "lora_r8_alpha16_f32.gguf"
 GGUF_BASE = FIXTURES / "gguf" / "base_f32.gguf"
 GGUF_MERGED = FIXTURES / "gguf" / "merged_r8_alpha16_f32_s1.gguf"
 GGUF_REF = FIXTURES / "llamacpp_r8_alpha16_f32_reference.npz"
+_BASE = json.loads((FIXTURES / "base_config.json").read_text())
+N_HEAD, N_HEAD_KV = _BASE["num_attention_heads"], _BASE["num_key_value_heads"]
 
 U32 = 2.0 ** -24        # unit roundoff of float32
 
@@ -266,20 +271,108 @@ def test_gguf_against_the_real_base_and_merged_files(gguf_ref):
                           float(gguf_ref[f"{tensor}/scale"]))
 
 
-def test_gguf_and_peft_adapters_agree_up_to_the_rope_row_order(peft_adapter, gguf_ref):
-    """The same adapter through both loaders: equal deltas once the converter's attn_q/attn_k row
-    permutation is applied; this pins the two embedding transposes to each other."""
+def test_gguf_renamed_to_hf_is_the_peft_adapter(peft_adapter, gguf_ref):
+    """The same adapter through both loaders: renaming the GGUF one to Hugging Face names undoes
+    the converter's attn_q/attn_k row permutation and gives the PEFT adapter's factors -- bit for
+    bit, as both files are F32 -- which also pins the two embedding transposes to each other."""
+    gg = load_gguf(GGUF_LORA, scale=0.5)
+    hf = gg.renamed("hf", n_head=N_HEAD, n_head_kv=N_HEAD_KV)
+    assert isinstance(hf, LoraAdapter) and hf.scale is gg.scale
+    assert (hf.name, hf.alpha, hf.invocation_tokens) == (gg.name, gg.alpha, None)
+    assert sorted(hf) == sorted(peft_adapter)
+    peft_adapter.scale.set(0.5)
+    try:
+        for tensor in GGUF_TENSORS:
+            module = str(gguf_ref[f"{tensor}/hf_module"])
+            got, want = hf[module], peft_adapter[module]
+            assert got.scale is gg.scale and got.effective_scale == want.effective_scale
+            for x, y in zip(got.lora_weights(), want.lora_weights()):
+                np.testing.assert_array_equal(x, y, err_msg=f"{tensor} -> {module}")
+            perm = gguf_ref.get(f"{tensor}/hf_row_perm")     # the converter's own row order
+            if perm is not None:
+                heads = N_HEAD if "attn_q" in tensor else N_HEAD_KV
+                np.testing.assert_array_equal(
+                    lora.adapter.llama_rope_permutation(len(perm), heads), perm)
+                np.testing.assert_array_equal(gg[tensor].lora_weights()[1],
+                                              want.lora_weights()[1][perm])
+    finally:
+        peft_adapter.scale.set(1.0)
+
+
+def test_renamed_back_to_gguf_gives_the_gguf_bits():
     gg = load_gguf(GGUF_LORA)
-    for tensor in GGUF_TENSORS:
-        module = str(gguf_ref[f"{tensor}/hf_module"])
-        from_peft = peft_adapter[module].delta_weight()
-        perm = gguf_ref.get(f"{tensor}/hf_row_perm")
-        if perm is not None:
-            from_peft = from_peft[perm]
-        prod, rank = _gguf_product(gguf_ref, tensor)
-        s = float(gguf_ref[f"{tensor}/scale"])
-        _assert_close(gg[tensor].delta_weight(), from_peft, _bound(s * prod, rank + 1),
-                      signal=from_peft)
+    back = gg.renamed("hf", n_head=N_HEAD, n_head_kv=N_HEAD_KV).renamed(
+        "gguf", n_head=N_HEAD, n_head_kv=N_HEAD_KV)
+    assert list(back) == list(gg) and back.scale is gg.scale
+    for name, delta in gg.items():
+        assert (back[name].dtype, back[name].alpha, back[name].effective_scale) == \
+            (delta.dtype, delta.alpha, delta.effective_scale)
+        for x, y in zip(back[name].lora_weights(), delta.lora_weights()):
+            np.testing.assert_array_equal(x, y)
+    gg.scale.set(0.25)                                   # shared: the renamed deltas follow
+    assert back["output.weight"].effective_scale == gg["output.weight"].effective_scale == 0.5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_renamed_keeps_half_precision_bits_rslora_and_alora(tmp_path, dtype):
+    _require_storage(dtype)
+    rng = np.random.default_rng(60)
+    tensors = af.linear_pair(rng, "model.layers.3.self_attn.q_proj", 24, 16, 4)
+    tensors.update(af.linear_pair(rng, "model.layers.3.self_attn.k_proj", 8, 16, 4))
+    cfg = af.peft_config(use_rslora=True, alora_invocation_tokens=[9, 8])
+    adapter = load_peft(af.write_peft(tmp_path / "p", tensors, cfg), dtype=dtype)
+    gg = adapter.renamed("gguf", n_head=3, n_head_kv=1)
+    assert list(gg) == ["blk.3.attn_k.weight", "blk.3.attn_q.weight"]      # file order
+    assert gg.invocation_tokens == (9, 8) and gg.dtype == dtype
+    for (name, d), (module, src) in zip(gg.items(), adapter.items()):
+        assert d.rslora and d.effective_scale == src.effective_scale
+        perm = lora.adapter.llama_rope_permutation(src.rows, 3 if "attn_q" in name else 1)
+        (a, b), (sa, sb) = d.lora_weights(), src.lora_weights()
+        np.testing.assert_array_equal(a.view(np.uint16), sa.view(np.uint16))   # A: never permuted
+        np.testing.assert_array_equal(b.view(np.uint16), sb[perm].view(np.uint16))
+
+
+def test_renamed_keeps_peft_alpha_zero_rule(tmp_path):
+    """PEFT's lora_alpha = 0 is a zero delta; the renamed delta stays zero (it does not become
+    llama.cpp's "no alpha", factor 1), while a GGUF file's missing alpha stays factor 1."""
+    rng = np.random.default_rng(61)
+    tensors = af.linear_pair(rng, "model.layers.0.mlp.up_proj", 24, 16, 4)
+    with pytest.warns(UserWarning, match="alpha is 0"):
+        adapter = load_peft(af.write_peft(tmp_path / "z", tensors,
+                                          af.peft_config(lora_alpha=0, target_modules=["up_proj"])))
+    adapter.scale.set(0.0)             # nothing to tell the rules apart by, but the loader's record
+    gg = adapter.renamed("gguf", n_head=1, n_head_kv=1)
+    gg.scale.set(3.0)
+    assert gg["blk.0.ffn_up.weight"].effective_scale == 0.0
+    assert adapter.renamed("gguf", n_head=1, n_head_kv=1).renamed(
+        "hf", n_head=1, n_head_kv=1)["model.layers.0.mlp.up_proj"].effective_scale == 0.0
+    path = af.write_gguf(tmp_path / "a.gguf", af.gguf_linear(rng, "blk.0.ffn_up.weight", 24, 16, 4),
+                         alpha=None)
+    hf = load_gguf(path, scale=3.0).renamed("hf", n_head=1, n_head_kv=1)
+    assert hf["model.layers.0.mlp.up_proj"].effective_scale == 3.0
+
+
+def test_renamed_refuses_names_outside_the_map_and_bad_heads(peft_adapter, tmp_path):
+    with pytest.raises(LoraFormatError, match=r"target '(lm_head|model\.[^']*)' has no Hugging"):
+        peft_adapter.renamed("hf", n_head=N_HEAD, n_head_kv=N_HEAD_KV)     # already HF names
+    gg = load_gguf(GGUF_LORA)
+    with pytest.raises(LoraFormatError, match=rf"target '{list(gg)[0]}' has no GGUF name"):
+        gg.renamed("gguf", n_head=N_HEAD, n_head_kv=N_HEAD_KV)                # already GGUF
+    rng = np.random.default_rng(62)
+    path = af.write_gguf(tmp_path / "qkv.gguf",
+                         af.gguf_linear(rng, "blk.0.attn_qkv.weight", 24, 16, 4))
+    with pytest.raises(LoraFormatError, match=r"'blk\.0\.attn_qkv\.weight'"):
+        load_gguf(path).renamed("hf", n_head=2, n_head_kv=2)
+    with pytest.raises(ValueError, match=r"attn_q.*n_head = 3.*multiple of 2 \* heads = 6"):
+        gg.renamed("hf", n_head=3, n_head_kv=N_HEAD_KV)                    # q rows: 64
+    with pytest.raises(ValueError, match=r"attn_k.*n_head_kv = 3"):
+        gg.renamed("hf", n_head=N_HEAD, n_head_kv=3)                       # k rows: 32
+    with pytest.raises(ValueError, match="to must be"):
+        gg.renamed("llama", n_head=N_HEAD, n_head_kv=N_HEAD_KV)
+    with pytest.raises(ValueError):
+        gg.renamed("hf", n_head=0, n_head_kv=N_HEAD_KV)
+    with pytest.raises(TypeError):
+        gg.renamed("hf", n_head=4.0, n_head_kv=N_HEAD_KV)
 
 
 # ------------------------------------------------------------------------------------------
@@ -411,6 +504,21 @@ def test_peft_rank_and_alpha_patterns_first_match_in_file_order(tmp_path):
     assert adapter.alpha == 8.0         # the file's default, not a per-module one
 
 
+@pytest.mark.parametrize("which", ["rank_pattern", "alpha_pattern"])
+def test_peft_pattern_key_matching_no_module_warns(tmp_path, which):
+    """PEFT warns about a rank_pattern / alpha_pattern key that matches no module (a typo such as
+    "q_porj") and ignores it; so does the loader, naming the key."""
+    rng = np.random.default_rng(14)
+    tensors = af.linear_pair(rng, "model.layers.0.self_attn.q_proj", 8, 16, 4)
+    cfg = af.peft_config(**{which: {"q_porj": 64, "q_proj": 4}})
+    path = af.write_peft(tmp_path / "typo", tensors, cfg)
+    with pytest.warns(UserWarning, match=rf"{which} key 'q_porj' matches no module") as caught:
+        adapter = load_peft(path)
+    assert len(caught) == 1 and str(path / "adapter_config.json") in str(caught[0].message)
+    assert "'q_proj'" not in str(caught[0].message)
+    assert adapter["model.layers.0.self_attn.q_proj"].rank == 4
+
+
 def test_peft_rank_pattern_mismatch_is_refused(tmp_path):
     rng = np.random.default_rng(4)
     tensors = af.linear_pair(rng, "model.layers.0.self_attn.q_proj", 8, 16, 4)
@@ -494,8 +602,11 @@ def test_peft_dtype_argument_converts(tmp_path):
         _check_delta_weight(delta, tensors, module, 2.0)
     with pytest.raises(ValueError, match="dtype must be"):
         load_peft(path, dtype="int8")
-    with pytest.raises(ValueError):
-        load_peft(path, scale=float("nan"))
+    for bad in (float("nan"), 1e39):      # 1e39: a finite double, inf in float32
+        with pytest.raises(ValueError):
+            load_peft(path, scale=bad)
+    with pytest.raises(ValueError, match="finite in float32"):
+        load_gguf(GGUF_LORA, scale=-1e39)
 
 
 def test_peft_float32_to_float16_storage(tmp_path):
@@ -606,6 +717,111 @@ def test_gguf_norm_tensors_are_skipped_with_a_warning(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
+# activated LoRA (aLoRA)
+# ------------------------------------------------------------------------------------------
+
+
+def _assert_same_deltas(got, want):
+    assert list(got) == list(want)
+    for name, delta in got.items():
+        assert delta.effective_scale == want[name].effective_scale
+        for x, y in zip(delta.lora_weights(), want[name].lora_weights()):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_peft_alora_fixture_loads_with_its_invocation_tokens(peft_adapter):
+    adapter = load_peft(PEFT_ALORA_DIR)
+    assert adapter.invocation_tokens == ALORA_TOKENS and peft_adapter.invocation_tokens is None
+    assert "invocation_tokens=[17, 42, 5]" in repr(adapter)
+    _assert_same_deltas(adapter, {m: d for m, d in peft_adapter.items() if m != "model.embed_tokens"})
+    seq = [1, 17, 42, 5, 9, 17, 42, 5, 3, 17, 42]        # last whole occurrence starts at 5
+    np.testing.assert_array_equal(adapter.alora_mask(seq), np.arange(len(seq)) >= 5)
+    assert peft_adapter.alora_mask(seq).all()                # plain LoRA applies everywhere
+    assert not adapter.alora_mask([17, 42, 3, 5]).any()      # no whole occurrence: nowhere
+
+
+def _gguf_fixture_with(path, extra_kv):
+    """The llama.cpp fixture rewritten by GGUFWriter with extra metadata (tensors unchanged)."""
+    reader = GGUFReader(str(GGUF_LORA))
+    tensors = [(t.name, np.array(t.data), None) for t in reader.tensors]
+    name = reader.fields["general.name"].contents()
+    return af.write_gguf(path, tensors, name=name, extra_kv=extra_kv)
+
+
+def test_gguf_alora_reads_llama_cpp_invocation_tokens(tmp_path):
+    """adapter.alora.invocation_tokens, an array of UINT32 as llama.cpp's converter writes it."""
+    path = _gguf_fixture_with(tmp_path / "alora.gguf", {
+        "adapter.alora.invocation_tokens": (list(ALORA_TOKENS), GGUFValueType.UINT32)})
+    adapter = load_gguf(path)
+    assert adapter.invocation_tokens == ALORA_TOKENS
+    _assert_same_deltas(adapter, load_gguf(GGUF_LORA))
+    np.testing.assert_array_equal(adapter.alora_mask([0, 17, 42, 5, 17, 42, 5, 9]),
+                                  [False] * 4 + [True] * 4)
+
+
+@pytest.mark.parametrize("tokens", [[], None])
+def test_empty_invocation_tokens_mean_plain_lora(peft_dir, tokens):
+    """PEFT tests the list's truth: an empty (or null) alora_invocation_tokens is plain LoRA."""
+    adapter = load_peft(peft_dir(_q_pair(), af.peft_config(alora_invocation_tokens=tokens)))
+    assert adapter.invocation_tokens is None and adapter.alora_mask([1, 2]).all()
+
+
+@pytest.mark.parametrize("tokens", [[1, -2], [1, 2.0], ["a"], [True], "17 42", {"a": 1}, 17])
+def test_peft_refuses_invocation_tokens_that_are_not_token_ids(peft_dir, tokens):
+    path = peft_dir(_q_pair(), af.peft_config(alora_invocation_tokens=tokens))
+    _assert_format_error(lambda: load_peft(path), path / "adapter_config.json",
+                         "alora_invocation_tokens")
+
+
+def _alora(tokens):
+    return LoraAdapter({}, name="a", alpha=0.0, scale=LoraScale(), invocation_tokens=tokens)
+
+
+def test_alora_mask_equals_peft_calculate_alora_offsets():
+    """Our mask against PEFT's own rule on many random sequences: PEFT's offset o (None: not
+    found) switches the adapter on for the last o positions."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+    from peft.tuners.lora.variants import calculate_alora_offsets
+
+    rng = np.random.default_rng(50)
+    for trial in range(600):
+        tokens = rng.integers(0, 3, rng.integers(1, 5)).tolist()     # small vocab: many hits
+        seq = rng.integers(0, 3, rng.integers(0, 30))
+        cfg = {"default": LoraConfig(alora_invocation_tokens=tokens, task_type="CAUSAL_LM")}
+        (offset,) = calculate_alora_offsets(cfg, "default", torch.tensor(seq[None], dtype=torch.long))
+        n = len(seq)
+        want = np.zeros(n, bool) if offset is None else np.arange(n) >= n - offset
+        ids = (seq.tolist(), seq.astype(np.int32), torch.tensor(seq))[trial % 3]
+        got = _alora(tokens).alora_mask(ids)
+        assert got.dtype == np.bool_ and got.shape == (n,)
+        np.testing.assert_array_equal(got, want, err_msg=f"tokens {tokens}, sequence {seq.tolist()}")
+
+
+def test_alora_mask_inputs_and_errors():
+    adapter = _alora((7, 7))
+    want = [False, False, True, True, True]         # [7, 7] occurs at 1 and 2: the last wins
+    for ids in ([3, 7, 7, 7, 1], np.array([3, 7, 7, 7, 1], np.uint16), range(3, 4)):
+        if isinstance(ids, range):
+            np.testing.assert_array_equal(adapter.alora_mask(ids), [False])
+        else:
+            np.testing.assert_array_equal(adapter.alora_mask(ids), want)
+    assert adapter.alora_mask([]).shape == (0,) and adapter.alora_mask([]).dtype == np.bool_
+    with pytest.raises(TypeError):
+        adapter.alora_mask([3.0, 7.0])
+    with pytest.raises(TypeError):
+        adapter.alora_mask([True, False])
+    with pytest.raises(ValueError):
+        adapter.alora_mask([[7, 7]])
+    with pytest.raises(TypeError):
+        _alora(["7"])
+    with pytest.raises(ValueError):
+        _alora([-1])
+    assert _alora(np.array([1, 2])).invocation_tokens == (1, 2) and _alora(()).invocation_tokens is None
+
+
+# ------------------------------------------------------------------------------------------
 # broken files: every refusal names the file and the tensor (or config/metadata key)
 # ------------------------------------------------------------------------------------------
 
@@ -643,6 +859,16 @@ def test_peft_refuses_a_base_model_file(peft_dir):
     path = peft_dir({"model.layers.0.self_attn.q_proj.weight": np.ones((4, 4), np.float32)})
     _assert_format_error(lambda: load_peft(path), path / "adapter_model.safetensors",
                          "model.layers.0.self_attn.q_proj.weight", "unknown key")
+
+
+def test_peft_without_config_says_a_base_model_file_is_not_an_adapter(tmp_path):
+    """A base model's model.safetensors (no adapter_config.json beside it, no LoRA tensors) is
+    "not a LoRA adapter", not a PEFT adapter with a missing config."""
+    path = af.write_peft(tmp_path / "base", {"model.norm.weight": np.ones(4, np.float32)})
+    weights = path / "adapter_model.safetensors"
+    msg = _assert_format_error(lambda: load_peft(weights), weights, "not a LoRA adapter",
+                               "model.norm.weight")
+    assert "missing" not in msg
 
 
 def test_peft_refuses_a_file_with_no_lora_tensors(peft_dir):
@@ -768,7 +994,7 @@ def test_peft_refuses_dora(peft_dir):
 
 
 @pytest.mark.parametrize("key, value", [
-    ("lora_bias", True), ("alora_invocation_tokens", [1, 2]), ("modules_to_save", ["lm_head"]),
+    ("lora_bias", True), ("modules_to_save", ["lm_head"]),
     ("target_parameters", ["experts.gate_up_proj"]), ("bias", "all"),
 ])
 def test_peft_refuses_non_lora_options(peft_dir, key, value):
@@ -862,9 +1088,13 @@ def test_gguf_refuses_wrong_types(tmp_path, general_type, adapter_type, key):
     _assert_format_error(lambda: load_gguf(path), path, key, "not a LoRA adapter")
 
 
-def test_gguf_refuses_activated_lora(tmp_path):
+@pytest.mark.parametrize("value", [[5, 6, 7], ([5, 6, 7], GGUFValueType.INT64), "5 6 7", 5.0,
+                                   ([5, 1 << 31], GGUFValueType.UINT32)])
+def test_gguf_refuses_invocation_tokens_llama_cpp_would_refuse(tmp_path, value):
+    """llama.cpp reads adapter.alora.invocation_tokens only as an array of UINT32 (a plain
+    ``add_array`` of ints writes INT32) into int32 token ids."""
     path = af.write_gguf(tmp_path / "alora.gguf", _gguf_ok(),
-                         extra_kv={"adapter.alora.invocation_tokens": [5, 6, 7]})
+                         extra_kv={"adapter.alora.invocation_tokens": value})
     _assert_format_error(lambda: load_gguf(path), path, "adapter.alora.invocation_tokens")
 
 
@@ -966,11 +1196,36 @@ def test_gguf_refuses_unknown_tensors(tmp_path, name):
     _assert_format_error(lambda: load_gguf(path), path, name, "unknown tensor")
 
 
-def test_gguf_refuses_a_3d_tensor(tmp_path):
-    tensors = [("blk.0.attn_q.weight.lora_a", np.ones((2, 4, 16), np.float32), None),
+@pytest.mark.parametrize("lead", [(2,), (1, 2), (3, 1)])
+def test_gguf_refuses_a_factor_with_an_extra_dimension(tmp_path, lead):
+    tensors = [("blk.0.attn_q.weight.lora_a", np.ones(lead + (4, 16), np.float32), None),
                ("blk.0.attn_q.weight.lora_b", np.ones((24, 4), np.float32), None)]
     path = af.write_gguf(tmp_path / "3d.gguf", tensors)
-    _assert_format_error(lambda: load_gguf(path), path, "blk.0.attn_q.weight.lora_a", "2-D")
+    ne = str([16, 4] + list(reversed(lead)))
+    _assert_format_error(lambda: load_gguf(path), path, "blk.0.attn_q.weight.lora_a", "2-D", ne)
+
+
+@pytest.mark.parametrize("qtype", [None, Q.F16, Q.BF16, Q.Q8_0])
+def test_gguf_factor_with_trailing_unit_dimensions_is_2d(tmp_path, qtype):
+    """ne [n, r, 1] (and [n, r, 1, 1]) is the 2-D factor it holds: llama.cpp compares ne[0] and
+    ne[1] only.  Same deltas as the plain 2-D file, for every stored type."""
+    if qtype in (Q.F16, Q.BF16):
+        _require_storage("float16" if qtype == Q.F16 else "bfloat16")
+    rng = np.random.default_rng(44)
+    a = rng.standard_normal((4, 32)).astype(np.float32)
+    b = rng.standard_normal((24, 4)).astype(np.float32)
+    qb = None if qtype == Q.Q8_0 else qtype      # lora_b's rows (ne[0] = 4) are not Q8_0 blocks
+    flat = af.write_gguf(tmp_path / "flat.gguf", [("blk.0.attn_q.weight.lora_a", a, qtype),
+                                                  ("blk.0.attn_q.weight.lora_b", b, qb)])
+    padded = af.write_gguf(tmp_path / "padded.gguf", [
+        ("blk.0.attn_q.weight.lora_a", a[None], qtype),          # ne [32, 4, 1]
+        ("blk.0.attn_q.weight.lora_b", b[None, None], qb)])      # ne [4, 24, 1, 1]
+    assert [list(map(int, t.shape)) for t in GGUFReader(str(padded)).tensors] == \
+        [[32, 4, 1], [4, 24, 1, 1]]
+    want, got = load_gguf(flat)["blk.0.attn_q.weight"], load_gguf(padded)["blk.0.attn_q.weight"]
+    assert (got.rows, got.cols, got.rank, got.dtype) == (24, 32, 4, want.dtype)
+    for x, y in zip(got.lora_weights(), want.lora_weights()):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_gguf_refuses_an_empty_adapter(tmp_path):

@@ -1,0 +1,382 @@
+"""`load_peft`: Hugging Face PEFT LoRA adapters (``adapter_config.json`` +
+``adapter_model.safetensors``), parsed here and built by `lora.adapter.build_adapter`."""
+
+import json
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from .adapter import (Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg,
+                      storage_arg)
+from .gguf import is_gguf_file
+
+__all__ = ["load_peft"]
+
+
+# <prefix?><module>.lora_A[.<adapter>].weight  and  <prefix?><module>.lora_embedding_A[.<adapter>]
+_PEFT_LINEAR = re.compile(r"^(?P<module>.+?)\.lora_(?P<half>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_PEFT_EMBED = re.compile(r"^(?P<module>.+?)\.lora_embedding_(?P<half>[AB])(?:\.(?P<adapter>[^.]+))?$")
+_PEFT_PREFIX = "base_model.model."
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+# Config switches that change what the adapter computes, so loading the plain B·A would be wrong.
+_PEFT_REFUSED = {
+    "use_dora": "DoRA (use_dora) rescales the merged weight column-wise; it is not a plain LoRA delta",
+    "lora_bias": "lora_bias adds a bias vector to lora_B; only bias-free LoRA is supported",
+    "use_qalora": "QA-LoRA pools the input before lora_A; not a plain LoRA delta",
+    "use_bdlora": "BD-LoRA (use_bdlora) is not a plain LoRA delta",
+    "arrow_config": "Arrow routes each token among several LoRA experts; not one plain delta",
+    "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
+    "modules_to_save": "modules_to_save stores fully fine-tuned modules, not LoRA deltas",
+    "trainable_token_indices": "trainable tokens store replaced embedding rows, not LoRA deltas",
+    "layer_replication": "layer_replication changes the base model's layer layout",
+}
+
+
+def _peft_paths(path):
+    p = Path(path)
+    if p.is_dir():
+        weights = p / "adapter_model.safetensors"
+        if not weights.exists():
+            if (p / "adapter_model.bin").exists():
+                raise format_error(p / "adapter_model.bin", "pickled PyTorch adapters are not supported; "
+                             "save the adapter with safe_serialization=True")
+            raise format_error(p, "not a PEFT adapter directory: adapter_model.safetensors is missing")
+        return weights, p / "adapter_config.json", p.name
+    if not p.exists():
+        raise FileNotFoundError(f"no such file or directory: {os.fspath(p)!r}")
+    if is_gguf_file(p):
+        raise format_error(p, "this is a GGUF file, not a PEFT adapter: load it with load_gguf")
+    parent = p.parent
+    return p, parent / "adapter_config.json", parent.resolve().name or p.stem
+
+
+def _peft_config(cfg_path):
+    if not cfg_path.exists():
+        raise format_error(cfg_path, "missing: a PEFT adapter needs its adapter_config.json "
+                     "beside the weights")
+    try:
+        with open(cfg_path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise format_error(cfg_path, f"not a readable JSON config: {type(exc).__name__}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise format_error(cfg_path, "not a PEFT config: the JSON is not an object")
+
+    peft_type = cfg.get("peft_type")
+    if peft_type != "LORA":
+        raise format_error(cfg_path, f"not a LoRA adapter: peft_type is {peft_type!r}, want 'LORA'",
+                     key="peft_type")
+    for key, why in _PEFT_REFUSED.items():
+        if cfg.get(key):
+            raise format_error(cfg_path, f"unsupported: {why}", key=key)
+    if cfg.get("bias", "none") != "none":
+        raise format_error(cfg_path, f"unsupported: bias={cfg['bias']!r} trains base biases; only 'none'",
+                     key="bias")
+
+    def number(key, default, *, integer=False, positive=False):
+        v = cfg.get(key, default)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if ok and integer:
+            ok = float(v).is_integer()
+        if ok and positive:
+            ok = v > 0
+        if not ok:
+            want = "a positive integer" if integer else "a finite number"
+            raise format_error(cfg_path, f"must be {want}, got {v!r}", key=key)
+        return int(v) if integer else float(v)
+
+    def pattern(key, *, integer):
+        pat = cfg.get(key) or {}
+        if not isinstance(pat, dict):
+            raise format_error(cfg_path, f"must be an object, got {type(pat).__name__}", key=key)
+        out = {}
+        for k, v in pat.items():
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if ok and integer:
+                ok = float(v).is_integer() and v > 0
+            if not ok:
+                want = "a positive integer" if integer else "a finite number"
+                raise format_error(cfg_path, f"entry {k!r} must be {want}, got {v!r}", key=key)
+            try:  # the pattern as PEFT's matching rule will compile it
+                re.compile(rf"(.*\.)?({k})$")
+            except re.error as exc:
+                raise format_error(cfg_path, f"entry {k!r} is not a valid pattern: {exc}", key=key) from exc
+            out[k] = int(v) if integer else float(v)
+        return out
+
+    for flag in ("use_rslora", "fan_in_fan_out"):
+        if not isinstance(cfg.get(flag, False), bool):
+            raise format_error(cfg_path, f"must be true or false, got {cfg[flag]!r}", key=flag)
+
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as exc:
+            raise format_error(cfg_path, f"is not a valid pattern: {exc}", key="target_modules") from exc
+    elif targets is not None and not (isinstance(targets, list)
+                                      and all(isinstance(t, str) for t in targets)):
+        raise format_error(cfg_path, f"must be a string or a list of strings, got {targets!r}",
+                     key="target_modules")
+    return {
+        # PEFT's LoraConfig defaults: r = 8, lora_alpha = 8.
+        "r": number("r", 8, integer=True, positive=True),
+        "lora_alpha": number("lora_alpha", 8),
+        "use_rslora": cfg.get("use_rslora", False),
+        "rank_pattern": pattern("rank_pattern", integer=True),
+        "alpha_pattern": pattern("alpha_pattern", integer=False),
+        "target_modules": targets,
+        "alora_invocation_tokens": _peft_invocation_tokens(cfg_path, cfg),
+    }
+
+
+def _peft_invocation_tokens(cfg_path, cfg):
+    """Activated LoRA's ``alora_invocation_tokens``: None (absent, null, or an empty list: PEFT
+    tests the list's truth, so those are plain LoRA), else a tuple of non-negative int ids."""
+    tokens = cfg.get("alora_invocation_tokens")
+    if tokens is None or tokens == []:
+        return None
+    if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                             and t >= 0 for t in tokens)):
+        raise format_error(cfg_path, f"must be a list of non-negative integer token ids, got "
+                           f"{tokens!r}", key="alora_invocation_tokens")
+    return tuple(tokens)
+
+
+def _pattern_matches(key, module):
+    """PEFT's pattern rule (tuners/tuners_utils.get_pattern_key): ``re.match(rf"(.*\\.)?({k})$",
+    module)``, so a key matches a whole trailing run of path components, or is a regex."""
+    return re.match(rf"(.*\.)?({key})$", module) is not None
+
+
+def _peft_pattern_key(keys, module):
+    """The first key in file order that matches ``module`` (PEFT's rule); None when none does."""
+    return next((k for k in keys if _pattern_matches(k, module)), None)
+
+
+def _peft_targeted(targets, module):
+    """PEFT's check_target_module_exists for a saved config: a list matches a module equal to an
+    entry or ending in ``.entry``; a string is a regex that must fullmatch; "all-linear" and None
+    (the targets were resolved elsewhere) match everything."""
+    if targets is None or targets == "all-linear":
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def _safetensors_headers(weights_path, *, adapter_expected=True):
+    """[(key, dtype, shape)] from the file's header (safe_open maps the file; no tensor is read).
+    A file that is not readable safetensors is a LoraFormatError saying so -- and, when nothing
+    else marks it as an adapter (no adapter_config.json beside it), that it is not a LoRA adapter."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(weights_path), framework="np") as fh:
+            headers = []
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                headers.append((key, sl.get_dtype(), tuple(int(n) for n in sl.get_shape())))
+    except Exception as exc:  # SafetensorError, OSError: a truncated or foreign file
+        what = "not a readable safetensors file" if adapter_expected else \
+            "not a LoRA adapter: neither a GGUF file nor a readable safetensors file"
+        raise format_error(weights_path, f"{what}: {exc}") from exc
+    return headers
+
+
+def _refuse_a_non_adapter(weights_path, cfg_path):
+    """Without adapter_config.json, say first whether the file is a LoRA adapter at all (a random
+    file, a base model's model.safetensors), then that the config is missing."""
+    if cfg_path.exists():
+        return
+    headers = _safetensors_headers(weights_path, adapter_expected=False)
+    if not any(_PEFT_LINEAR.match(key) or _PEFT_EMBED.match(key) for key, _, _ in headers):
+        shown = f" (such as '{headers[0][0]}')" if headers else ""
+        raise format_error(weights_path, f"not a LoRA adapter: none of its {len(headers)} "
+                           f"tensors{shown} is a lora_A/lora_B or lora_embedding_A/B factor, and "
+                           "there is no adapter_config.json beside it")
+
+
+def _peft_parse(weights_path, cfg_path):
+    from safetensors import safe_open
+
+    _refuse_a_non_adapter(weights_path, cfg_path)
+    cfg = _peft_config(cfg_path)
+    headers = _safetensors_headers(weights_path)
+
+    halves = {}      # module -> {"A": (key, dtype, shape), "B": ...}
+    kinds = {}       # module -> "linear" | "embedding"
+    order = []
+    adapter_names = set()
+    for key, dt, shape in headers:
+        m = _PEFT_LINEAR.match(key) or _PEFT_EMBED.match(key)
+        if m is None:
+            if key.endswith(".base_layer.weight"):
+                continue        # the full base copy PEFT saves when embeddings are targeted
+            if "lora_magnitude_vector" in key:
+                raise format_error(weights_path, "unsupported: a DoRA magnitude vector (use_dora); "
+                             "DoRA is not a plain LoRA delta", tensor=key)
+            raise format_error(weights_path, "unknown key: not a PEFT LoRA tensor (want "
+                         "<module>.lora_A.weight / .lora_B.weight / .lora_embedding_A / "
+                         ".lora_embedding_B)", tensor=key)
+        module = m.group("module")
+        if module.startswith(_PEFT_PREFIX):
+            module = module[len(_PEFT_PREFIX):]
+        kind = "embedding" if "lora_embedding_" in key else "linear"
+        if m.group("adapter") is not None:
+            adapter_names.add(m.group("adapter"))
+            if len(adapter_names) > 1:
+                names = ", ".join(sorted(adapter_names))
+                raise format_error(weights_path, f"holds several adapters ({names}); "
+                             "save one adapter per directory", tensor=key)
+        if module not in halves:
+            halves[module] = {}
+            kinds[module] = kind
+            order.append(module)
+        elif kinds[module] != kind:
+            raise format_error(weights_path, f"module '{module}' mixes lora_A/B and lora_embedding_A/B keys",
+                         tensor=key)
+        half = m.group("half")
+        if half in halves[module]:
+            raise format_error(weights_path, f"duplicates '{halves[module][half][0]}' (the same lora_{half} "
+                         "with and without a prefix or adapter name)", tensor=key)
+        if dt not in _SAFETENSORS_DTYPES:
+            raise format_error(weights_path, f"dtype {dt} is not supported (want F32, F16, BF16 or F64)",
+                         tensor=key)
+        if len(shape) != 2:
+            raise format_error(weights_path, f"has shape {list(shape)}; a LoRA factor is 2-D "
+                         "(convolution LoRA is not supported)", tensor=key)
+        if 0 in shape:
+            raise format_error(weights_path, f"has an empty shape {list(shape)}", tensor=key)
+        halves[module][half] = (key, dt, shape)
+
+    if not order:
+        raise format_error(weights_path, "not a LoRA adapter: the file holds no lora_A/lora_B tensors")
+
+    # Pairing, ranks and scales for every module before any value is read.
+    plan = []
+    for module in order:
+        h = halves[module]
+        for half, other in (("A", "B"), ("B", "A")):
+            if half not in h:
+                key = h[other][0]
+                raise format_error(weights_path, f"pair for module '{module}' is missing its lora_"
+                             f"{'embedding_' if kinds[module] == 'embedding' else ''}{half} half",
+                             tensor=key)
+        (ka, dta, sa), (kb, dtb, sb) = h["A"], h["B"]
+        # Linear: lora_A [r, in], lora_B [out, r].  Embedding: lora_embedding_A [r, vocab],
+        # lora_embedding_B [dim, r].  Either way the rank is A's rows and B's columns.
+        if sa[0] != sb[1]:
+            raise format_error(weights_path, f"shapes do not pair: {ka} is {list(sa)} and {kb} is {list(sb)} "
+                         f"(rank {sa[0]} vs {sb[1]})", tensor=ka)
+        if not _peft_targeted(cfg["target_modules"], module):
+            raise format_error(weights_path, f"module '{module}' is not matched by target_modules "
+                         f"{cfg['target_modules']!r} in {cfg_path.name}", tensor=ka)
+        rk = _peft_pattern_key(cfg["rank_pattern"], module)
+        rank = cfg["rank_pattern"][rk] if rk is not None else cfg["r"]
+        if sa[0] != rank:
+            src = f"rank_pattern[{rk!r}]" if rk is not None else "r"
+            raise format_error(weights_path, f"has rank {sa[0]} but {cfg_path.name} gives {src} = {rank}",
+                         tensor=ka)
+        ak = _peft_pattern_key(cfg["alpha_pattern"], module)
+        alpha = cfg["alpha_pattern"][ak] if ak is not None else cfg["lora_alpha"]
+        plan.append((module, ka, kb, alpha))
+
+    # Value pass: read, widen F64, check finiteness, transpose embeddings into our layout.
+    pairs = []
+    try:
+        fh_cm = safe_open(os.fspath(weights_path), framework="np")
+    except Exception as exc:
+        raise format_error(weights_path, f"not a readable safetensors file: {exc}") from exc
+    with fh_cm as fh:
+        for module, ka, kb, alpha in plan:
+            arrays = []
+            for key in (ka, kb):
+                try:
+                    arr = fh.get_tensor(key)
+                except Exception as exc:
+                    raise format_error(weights_path, f"cannot be read: {exc}", tensor=key) from exc
+                check_finite(weights_path, key, arr)
+                if arr.dtype == np.float64:
+                    if np.abs(arr).max() > np.finfo(np.float32).max:
+                        raise format_error(weights_path, "F64 values overflow float32", tensor=key)
+                    arr = arr.astype(np.float32)
+                arrays.append(arr)
+            a, b = arrays
+            if kinds[module] == "embedding":
+                # Base = the embedding table [vocab, dim]; token t's delta is s * A[:, t] @ B.T
+                # (PEFT Embedding: F.embedding(x, A.T) @ B.T), i.e. row t of s * A.T @ B.T.
+                a, b = b.T, a.T      # ours: a [r, dim], b [vocab, r]
+            storage = pair_storage(_np_storage(a.dtype), _np_storage(b.dtype))
+            pairs.append(Pair(module, a, b, alpha=alpha, rslora=cfg["use_rslora"],
+                               zero_alpha=(alpha == 0.0), storage=storage, tensors=(ka, kb)))
+    return cfg, pairs, _unmatched_pattern_keys(cfg, order)
+
+
+def _unmatched_pattern_keys(cfg, modules):
+    """``[(config key, pattern key)]`` for every rank_pattern / alpha_pattern key that matches no
+    module of the file under PEFT's pattern rule; PEFT warns about them and ignores them."""
+    return [(which, k) for which in ("rank_pattern", "alpha_pattern") for k in cfg[which]
+            if not any(_pattern_matches(k, m) for m in modules)]
+
+
+def _np_storage(dt):
+    import ml_dtypes     # on first use: `import lora` stays light
+
+    if dt == np.float32:
+        return "float32"
+    if dt == np.float16:
+        return "float16"
+    if dt == ml_dtypes.bfloat16:
+        return "bfloat16"
+    raise AssertionError(dt)  # unreachable: dtypes are filtered by the header pass
+
+
+def load_peft(path, *, scale=1.0, dtype=None):
+    """Load a Hugging Face PEFT LoRA adapter.
+
+    ``path`` is the adapter directory or its ``adapter_model.safetensors`` (the
+    ``adapter_config.json`` is found beside it).  Keys ``[base_model.model.]<module>.lora_A
+    [.<adapter>].weight`` ``[r, in]`` / ``.lora_B...weight`` ``[out, r]`` become a delta with
+    ``rows = out``, ``cols = in``; embedding pairs ``<module>.lora_embedding_A`` ``[r, vocab]`` /
+    ``.lora_embedding_B`` ``[dim, r]`` are transposed so the base is the embedding table
+    (``rows = vocab``, ``cols = dim``) and token ``t``'s delta is row ``t`` of ``s * B @ A``.
+    ``*.base_layer.weight`` copies are skipped.  ``fan_in_fan_out`` changes nothing here: A and B
+    are used as stored, and the base is merged through its transposed view.  An activated LoRA's
+    ``alora_invocation_tokens`` becomes `LoraAdapter.invocation_tokens` (see ``alora_mask``).
+
+    Scale (PEFT ``tuners/lora``): ``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``, per
+    module after ``rank_pattern`` / ``alpha_pattern`` (first key ``k`` in file order with
+    ``re.match(rf"(.*\\.)?({k})$", module)``), times ``scale`` (a float or a `LoraScale` to
+    share).  A module whose alpha is 0 gets a zero delta, with one ``UserWarning``.  A
+    ``rank_pattern`` / ``alpha_pattern`` key that matches no module in the file is ignored with a
+    ``UserWarning`` naming it, as PEFT warns.
+
+    ``dtype``: None keeps the file's dtype (F32, F16, BF16; F64 becomes float32; a pair whose
+    halves differ is stored as float32), or one of ``"float32"``, ``"float16"``, ``"bfloat16"``.
+
+    Raises `LoraFormatError` (naming the file and the tensor or config key) for a file that is not
+    a LoRA adapter (a random file, or a base model's ``model.safetensors``: no lora_A/lora_B
+    tensors and no config beside it), a missing or unreadable config, ``peft_type`` other than LORA, DoRA, ``lora_bias``, other non-LoRA
+    options, ``alora_invocation_tokens`` that are not a list of non-negative ints, a truncated or foreign file, an unknown key, a pair missing a half, shapes or ranks
+    that do not pair, an unsupported dtype or non-finite values; ``FileNotFoundError`` for a
+    missing path; ``ValueError`` for a bad ``dtype`` or ``scale``.  Nothing is returned unless
+    the whole file is valid.
+    """
+    storage = storage_arg(dtype)
+    shared = scale_arg(scale)
+    weights_path, cfg_path, name = _peft_paths(path)
+    cfg, pairs, unmatched = _peft_parse(weights_path, cfg_path)
+    adapter = build_adapter(pairs, path=weights_path, name=name, alpha=cfg["lora_alpha"],
+                            scale=shared, dtype=storage,
+                            invocation_tokens=cfg["alora_invocation_tokens"])
+    for which, key in unmatched:
+        warnings.warn(f"{os.fspath(cfg_path)}: {which} key {key!r} matches no module in "
+                      f"{weights_path.name}; it is ignored", UserWarning, stacklevel=2)
+    return adapter
