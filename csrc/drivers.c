@@ -18,10 +18,12 @@
  * the bits never depend on the thread count, the batch or the position's
  * place in it.
  *
- * Parallel regions open only above LORA_PAR_MIN_WORK multiply-adds, with a
- * num_threads() clause (never omp_set_num_threads), so OMP_NUM_THREADS and
- * threadpoolctl keep their meaning; a child process after fork() runs
- * serially.
+ * Whether a call opens a parallel region is the runtime's team policy
+ * (lora_call_threads: enough work, and no back-off after a team that did not
+ * pay); a region's size is a num_threads() clause (never
+ * omp_set_num_threads), so OMP_NUM_THREADS and threadpoolctl keep their
+ * meaning; a child process after fork() runs serially.  Every team call
+ * reports its wall time and its threads' compute time to that policy.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -33,11 +35,6 @@
 #include <omp.h>
 #endif
 
-/* Below this many multiply-adds a call stays on the calling thread: waking a
- * team and its barriers cost ~2-3 us on a 2-vCPU VM, so a 4096 x 4096 rank-8
- * decode (2^16) ran 4.1 us on one thread against 4.8 us on two (bench); at
- * rank 16 (2^17) the two are even, and above it the team wins. */
-#define LORA_PAR_MIN_WORK ((int64_t)1 << 17)
 /* per-thread scratch (rank-sized t, member terms) lives on the stack up to this */
 #define LORA_STACK_RANK 512
 #define LORA_STACK_TERMS 16
@@ -117,7 +114,7 @@ static void block_of_(const plan_ *p, int64_t blk, int64_t *start, int *nb, int6
  * threads tid of nt that share `t` (nt = 1: alone, no barrier).  `last`: no
  * block follows, so the region's own closing barrier suffices. */
 static void run_block_(const plan_ *p, int64_t blk, const scratch_ *sc, int tid, int nt,
-                       int gather, int last) {
+                       int gather, int last, double *waited) {
     int64_t start, entry;
     int nb;
     block_of_(p, blk, &start, &nb, &entry);
@@ -182,7 +179,9 @@ static void run_block_(const plan_ *p, int64_t blk, const scratch_ *sc, int tid,
     }
 #ifdef _OPENMP
     if (nt > 1) {
+        const double w0 = lora_now();
 #pragma omp barrier
+        *waited += lora_now() - w0;
     }
 #endif
     lora_split(p->rows, tid, nt, 16, &lo, &hi);
@@ -190,7 +189,9 @@ static void run_block_(const plan_ *p, int64_t blk, const scratch_ *sc, int tid,
 #ifdef _OPENMP
     /* t is reused by the next block: wait until every thread is done with it */
     if (nt > 1 && !last) {
+        const double w0 = lora_now();
 #pragma omp barrier
+        *waited += lora_now() - w0;
     }
 #endif
 }
@@ -207,8 +208,9 @@ static int run_plan_(const plan_ *p, int gather) {
         if (per > work) work = per;
     }
     work *= p->n;
-    int nt = lora_get_num_threads();
-    if (work < LORA_PAR_MIN_WORK) nt = 1;
+    /* a team on few blocks meets at barriers in every block: it must pay per block */
+    const int nmax = lora_get_num_threads();
+    const int nt = lora_call_threads(p->nblk >= 2 * (int64_t)nmax ? work : work / p->nblk);
 
     const int64_t t_per = (int64_t)LORA_NB * p->max_rank_sum;
     const int by_block = p->nblk >= 2 * (int64_t)nt; /* threads take whole blocks */
@@ -234,25 +236,34 @@ static int run_plan_(const plan_ *p, int gather) {
 
     if (nt == 1) {
         const scratch_ sc = {t, terms, which};
-        for (int64_t blk = 0; blk < p->nblk; blk++) run_block_(p, blk, &sc, 0, 1, gather, 1);
+        double none = 0.0;
+        for (int64_t blk = 0; blk < p->nblk; blk++)
+            run_block_(p, blk, &sc, 0, 1, gather, 1, &none);
     }
 #ifdef _OPENMP
-    else if (by_block) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t blk = 0; blk < p->nblk; blk++) {
-            const int tid = omp_get_thread_num();
-            const scratch_ sc = {t + t_per * tid, terms + n_terms * tid, which + n_terms * tid};
-            run_block_(p, blk, &sc, 0, 1, gather, 1);
-        }
-    } else {
-#pragma omp parallel num_threads(nt)
+    else {
+        /* busy: the threads' summed compute time, about what one thread needs */
+        const double t0 = lora_now();
+        double busy = 0.0;
+#pragma omp parallel num_threads(nt) reduction(+ : busy)
         {
+            const double s = lora_now();
+            double waited = 0.0;
             const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-            const scratch_ sc = {gather ? t + t_per * tid : t, terms + n_terms * tid,
-                                 which + n_terms * tid};
-            for (int64_t blk = 0; blk < p->nblk; blk++)
-                run_block_(p, blk, &sc, tid, team, gather, blk + 1 == p->nblk);
+            if (by_block) {
+                const scratch_ sc = {t + t_per * tid, terms + n_terms * tid, which + n_terms * tid};
+#pragma omp for schedule(dynamic, 1) nowait
+                for (int64_t blk = 0; blk < p->nblk; blk++)
+                    run_block_(p, blk, &sc, 0, 1, gather, 1, &waited);
+            } else {
+                const scratch_ sc = {gather ? t + t_per * tid : t, terms + n_terms * tid,
+                                     which + n_terms * tid};
+                for (int64_t blk = 0; blk < p->nblk; blk++)
+                    run_block_(p, blk, &sc, tid, team, gather, blk + 1 == p->nblk, &waited);
+            }
+            busy += lora_now() - s - waited;
         }
+        lora_team_report(lora_now() - t0, busy);
     }
 #endif
     free(heap);

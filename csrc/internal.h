@@ -14,6 +14,8 @@
  * process is a child after fork() (a GNU OpenMP pool does not survive it) */
 const lora_kernel_table *lora_active_kernels(void);
 int lora_forked(void);
+/* seconds on a monotonic clock (omp_get_wtime; 0 without OpenMP): the team policy's timer */
+double lora_now(void);
 
 /* delta.c: 64-byte aligned memory (posix_memalign / _aligned_malloc) */
 void *lora_aligned_alloc(size_t bytes);

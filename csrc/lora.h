@@ -55,6 +55,15 @@ int lora_openmp(void);                  /* 1 when built with OpenMP */
 void lora_set_num_threads(int n);       /* n >= 1: a process-wide cap; 0 removes it */
 int lora_get_num_threads(void);         /* min(cap, omp_get_max_threads()) right now */
 int lora_probe_threads(void);           /* team size a call would run with right now */
+/* the adaptive team policy (runtime.c): a call of `work` multiply-adds opens a
+ * team only from lora_team_min_work() and while no back-off is running; every
+ * team call reports its wall time and its threads' summed compute time */
+int64_t lora_team_min_work(void);
+int lora_call_threads(int64_t work);     /* threads a call of `work` would use now */
+void lora_team_report(double wall, double busy);
+double lora_team_backoff(void);          /* seconds of one-thread calls left (0: none) */
+void lora_team_stats(int64_t *calls, int64_t *lost);
+void lora_team_reset(void);              /* forget the back-off and the counts (tests) */
 const char *lora_compiler(void);
 
 /* --- deltas --------------------------------------------------------------- */

@@ -112,6 +112,101 @@ int lora_get_num_threads(void) {
 #endif
 }
 
+/* ------------------------------------------------ the adaptive team policy
+ *
+ * A call opens a parallel region only when two things hold: it has at least
+ * LORA_PAR_MIN_WORK multiply-adds (below that, waking a team costs more than
+ * it saves even on idle cores), and the last team call that was measured paid
+ * off.  Every team call times itself: its wall time against the sum of the
+ * time its threads spent computing (barrier waits excluded), which is about
+ * what one thread would have needed.  A team that does not beat that sum by
+ * LORA_TEAM_PAYOFF did not pay: a thread was waiting for a CPU (other
+ * processes, or another thread pool in this process, keep the cores busy),
+ * and a spinning partner then burns whole scheduler time slices.  Calls then
+ * run on one thread for a back-off period, and the first call after it is the
+ * next probe.  The period is at least LORA_SOLO_PER times the losing call's
+ * wall time, so probing costs at most ~1/LORA_SOLO_PER of the time (a probe
+ * under load can take a time slice or two, 4-30 ms measured, hence periods of
+ * ~1 s); it doubles from LORA_SOLO_MIN while teams keep losing, up to
+ * LORA_SOLO_MAX, and halves after every team call that pays.
+ *
+ * Only the timing decides, never the bits: every thread count gives the same
+ * results.  The state is process-wide, read and written with relaxed atomics
+ * (a lost update only moves one probe). */
+/* The work floor, in multiply-adds per team synchronisation (the drivers pass
+ * a call's work, or its work per block when a team meets at barriers in every
+ * block).  Waking a team and its barriers cost ~2-3 us on a 2-vCPU VM: at
+ * 2^17 a 4096 x 4096 rank-16 decode ran 5.4 us on one thread against 5.8 us
+ * on two, a 1024 x 1024 rank-16 prefill of 4 positions 1.11x slower on two;
+ * at 2^18 two threads took 0.53x (4096 x 4096 rank 32) and 0.60x (2048 x 2048
+ * rank 64) of one thread's decode time, but a 1024 x 1024 rank-16 prefill of
+ * 8 positions (two blocks of 2^17) was still 1.12x slower (minima of
+ * interleaved windows). */
+#define LORA_PAR_MIN_WORK ((int64_t)1 << 18)
+#define LORA_TEAM_PAYOFF 0.9
+#define LORA_SOLO_MIN ((int64_t)10000000)   /* ns */
+#define LORA_SOLO_MAX ((int64_t)2000000000) /* ns */
+#define LORA_SOLO_PER 50
+
+static int64_t g_solo_until = 0;           /* monotonic ns: one thread until then */
+static int64_t g_solo_ns = LORA_SOLO_MIN;  /* the next back-off */
+static int64_t g_team_calls = 0, g_team_lost = 0;
+
+#define LOAD_(v) __atomic_load_n(&(v), __ATOMIC_RELAXED)
+#define STORE_(v, x) __atomic_store_n(&(v), (x), __ATOMIC_RELAXED)
+
+double lora_now(void) {
+#ifdef _OPENMP
+    return omp_get_wtime();
+#else
+    return 0.0;
+#endif
+}
+
+int64_t lora_team_min_work(void) { return LORA_PAR_MIN_WORK; }
+
+int lora_call_threads(int64_t work) {
+    if (work < LORA_PAR_MIN_WORK) return 1;
+    const int nt = lora_get_num_threads();
+    if (nt == 1 || LOAD_(g_solo_until) == 0) return nt;
+    if ((int64_t)(lora_now() * 1e9) < LOAD_(g_solo_until)) return 1;
+    STORE_(g_solo_until, 0);
+    return nt;
+}
+
+void lora_team_report(double wall, double busy) {
+    __atomic_add_fetch(&g_team_calls, 1, __ATOMIC_RELAXED);
+    int64_t solo = LOAD_(g_solo_ns);
+    if (wall < LORA_TEAM_PAYOFF * busy) {
+        if (solo > LORA_SOLO_MIN) STORE_(g_solo_ns, solo / 2);
+        return;
+    }
+    __atomic_add_fetch(&g_team_lost, 1, __ATOMIC_RELAXED);
+    const int64_t cost = (int64_t)(wall * 1e9) * LORA_SOLO_PER;
+    if (cost > solo) solo = cost;
+    if (solo > LORA_SOLO_MAX) solo = LORA_SOLO_MAX;
+    STORE_(g_solo_until, (int64_t)(lora_now() * 1e9) + solo);
+    STORE_(g_solo_ns, 2 * solo < LORA_SOLO_MAX ? 2 * solo : LORA_SOLO_MAX);
+}
+
+double lora_team_backoff(void) {
+    const int64_t until = LOAD_(g_solo_until);
+    const double left = until ? until * 1e-9 - lora_now() : 0.0;
+    return left > 0.0 ? left : 0.0;
+}
+
+void lora_team_stats(int64_t *calls, int64_t *lost) {
+    *calls = LOAD_(g_team_calls);
+    *lost = LOAD_(g_team_lost);
+}
+
+void lora_team_reset(void) {
+    STORE_(g_solo_until, 0);
+    STORE_(g_solo_ns, LORA_SOLO_MIN);
+    STORE_(g_team_calls, 0);
+    STORE_(g_team_lost, 0);
+}
+
 int lora_probe_threads(void) {
     int team = 1;
 #ifdef _OPENMP

@@ -96,14 +96,41 @@ def get_num_threads():
     return lib.lora_get_num_threads()
 
 
+def thread_policy():
+    """One line saying how calls choose their threads right now (``kernel_info()["thread_policy"]``).
+
+    A call opens a team only from ``lib.lora_team_min_work()`` multiply-adds per team
+    synchronisation, and only while the last measured team call beat one thread; after one that
+    did not (other work holding the cores), calls run on one thread for a back-off of 10 ms to
+    2 s.  ``OMP_WAIT_POLICY`` is the user's: the library never sets it.
+    """
+    if not lib.lora_openmp():
+        return "one thread (built without OpenMP)"
+    n = get_num_threads()
+    if n == 1:
+        return "one thread (the cap is 1: set_num_threads, OMP_NUM_THREADS or threadpoolctl)"
+    floor = lib.lora_team_min_work()
+    text = (f"adaptive: up to {n} threads for calls of at least 2^{floor.bit_length() - 1} "
+            f"multiply-adds per team synchronisation, one thread for 10 ms-2 s after a team "
+            f"call that was not faster than one thread")
+    wait = os.environ.get("OMP_WAIT_POLICY", "").strip()
+    text += f"; OMP_WAIT_POLICY={wait} (yours)" if wait else "; OpenMP wait policy: default"
+    left = lib.lora_team_backoff()
+    if left > 0:
+        text += f"; now one thread for {left:.2f} s more (cores contended)"
+    return text
+
+
 def kernel_info():
     """What the extension runs on: a dict with ``isa`` (the path in use), ``available_isas``,
-    ``openmp`` (bool), ``threads`` (``get_num_threads()``), ``compiler`` and ``version``."""
+    ``openmp`` (bool), ``threads`` (``get_num_threads()``, the most a call uses),
+    ``thread_policy`` (``thread_policy()``), ``compiler`` and ``version``."""
     return {
         "isa": isa(),
         "available_isas": available_isas(),
         "openmp": bool(lib.lora_openmp()),
         "threads": get_num_threads(),
+        "thread_policy": thread_policy(),
         "compiler": ffi.string(lib.lora_compiler()).decode("ascii", "replace"),
         "version": __version__,
     }

@@ -233,3 +233,99 @@ def test_fork_after_openmp_work():
 def test_num_threads_visible_in_kernel_info():
     with num_threads(1):
         assert lora.kernel_info()["threads"] == 1
+
+
+# ---------------------------------------------------------------- the adaptive team policy
+# Its decisions that do not depend on timing: the work floor, the caps, the back-off after a
+# reported losing team (fed by hand through lora_team_report), and the wait policy left alone.
+
+def _team_calls():
+    calls, lost = lora._runtime.ffi.new("int64_t *"), lora._runtime.ffi.new("int64_t *")
+    lib.lora_team_stats(calls, lost)
+    return calls[0], lost[0]
+
+
+@pytest.fixture
+def fresh_policy():
+    lib.lora_team_reset()
+    yield
+    lib.lora_team_reset()
+
+
+def test_team_only_from_the_work_floor(fresh_policy):
+    floor = lib.lora_team_min_work()
+    assert floor == 1 << 18
+    top = lora.get_num_threads()
+    assert lib.lora_call_threads(floor - 1) == 1
+    assert lib.lora_call_threads(floor) == top
+    with num_threads(1):
+        assert lib.lora_call_threads(1 << 40) == 1
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    with threadpoolctl.threadpool_limits(1):
+        assert lib.lora_call_threads(1 << 40) == 1
+
+
+@pytest.mark.skipif(not TWO, reason="needs two OpenMP threads")
+def test_small_calls_never_open_a_team(fresh_policy):
+    rng = np.random.default_rng(4)
+    d16 = make_delta(rng, 16, 4096, 4096, "float32")   # 2^17 multiply-adds: one thread
+    d32 = make_delta(rng, 32, 4096, 4096, "float32")   # 2^18: a team
+    small = make_delta(rng, 16, 1024, 1024, "float32")
+    x, out = rand(rng, 4096), np.zeros(4096, np.float32)
+    d16.add_to(x, out)
+    # 2^18 in all, but a team on two blocks would meet at barriers in each of 2^17: one thread
+    small.add_batch_to(rand(rng, (8, 1024)), np.zeros((8, 1024), np.float32))
+    assert _team_calls() == (0, 0)
+    with num_threads(1):
+        d32.add_to(x, out)
+    assert _team_calls() == (0, 0)
+    d32.add_to(x, out)
+    assert _team_calls()[0] == 1
+
+
+def test_a_losing_team_backs_off_to_one_thread(fresh_policy):
+    top = lora.get_num_threads()
+    big = 1 << 30
+    lib.lora_team_report(0.5e-3, 1e-3)  # twice as fast as one thread: pays, no back-off
+    assert lib.lora_team_backoff() == 0.0 and lib.lora_call_threads(big) == top
+    lib.lora_team_report(1e-3, 1e-3)    # no faster than one thread: back off
+    assert _team_calls() == (2, 1)
+    left = lib.lora_team_backoff()
+    assert 0.0 < left <= 0.05           # 50x the losing call's 1 ms
+    assert lib.lora_call_threads(big) == 1
+    if top > 1:
+        assert "now one thread" in lora.kernel_info()["thread_policy"]
+    lib.lora_team_report(100.0, 1.0)    # however slow the loser, the back-off stays bounded
+    assert 0.0 < lib.lora_team_backoff() <= 2.0
+    lib.lora_team_reset()
+    assert lib.lora_call_threads(big) == top and lib.lora_team_backoff() == 0.0
+
+
+def test_thread_policy_in_kernel_info():
+    info = lora.kernel_info()
+    assert isinstance(info["thread_policy"], str)
+    with num_threads(1):
+        assert lora.kernel_info()["thread_policy"].startswith("one thread")
+    if info["openmp"] and TWO:
+        lib.lora_team_reset()
+        assert lora.kernel_info()["thread_policy"].startswith("adaptive: up to 2 threads")
+
+
+def test_omp_wait_policy_is_left_to_the_user():
+    """The library never sets OMP_WAIT_POLICY (GNU OpenMP reads it at start-up, so it stays the
+    user's choice); one the user set is reported as theirs."""
+    code = ("import os, lora; print(os.environ.get('OMP_WAIT_POLICY', '-')); "
+            "print(lora.kernel_info()['thread_policy'])")
+    env = subprocess_env()
+    env.pop("OMP_WAIT_POLICY", None)
+    p = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    first, policy = p.stdout.splitlines()
+    assert first == "-" and "OMP_WAIT_POLICY" not in policy
+    p = subprocess.run([PYTHON, "-c", code], env=subprocess_env(OMP_WAIT_POLICY="passive"),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    first, policy = p.stdout.splitlines()
+    assert first == "passive"
+    if lora.kernel_info()["openmp"] and TWO:
+        assert "OMP_WAIT_POLICY=passive (yours)" in policy

@@ -11,7 +11,6 @@
 * ``startup``   ``python -c "import lora"`` and ``python -m lora info`` in fresh processes;
 * ``targets``   the speed targets as a table, and the one function that judges them;
 * ``report``    header, table, targets, JSON document and plot;
-* ``oversub``   the oversubscription measurement (``benchmarks/oversubscription.py``), callable;
 * ``cli``       the flags and the run.
 
 What is measured
