@@ -10,6 +10,7 @@ prints the kernel path this machine uses.
 """
 
 from ._runtime import __version__, get_num_threads, kernel_info, set_num_threads
+from .accelerate import accelerate_peft
 from .adapter_set import AdapterSet
 from .bank import LoraBank
 from .delta import LoraDelta, LoraStack
@@ -27,6 +28,7 @@ __all__ = [
     "LoraStack",
     "LoraBank",
     "AdapterSet",
+    "accelerate_peft",
     "LoraAdapter",
     "load_peft",
     "load_gguf",

@@ -1,0 +1,346 @@
+"""`lora.accelerate_peft` under a real PeftModel: a tiny Llama built from a config (random weights,
+no hub), several PEFT adapters, and every PEFT API item checked against PEFT's own logits in the
+same process (PEFT's forward is the oracle; ours must agree within float32 rounding)."""
+
+import gc
+import tracemalloc
+
+import pytest
+
+import lora
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+VOCAB = 128
+
+
+def tiny_llama(dtype=torch.float32, hidden=64, layers=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def peft_model(dtype=torch.float32, seed=0):
+    """Three adapters of different ranks: 'a' plain, 'b' rsLoRA, 'c' on embed_tokens and
+    lm_head; all with random (non-zero) B so every term matters."""
+    base = tiny_llama(seed=seed)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj", "o_proj",
+                                                            "up_proj"]), adapter_name="a")
+    model.add_adapter("b", LoraConfig(r=8, lora_alpha=16, use_rslora=True, init_lora_weights=False,
+                                      target_modules=["q_proj", "k_proj", "down_proj"]))
+    model.add_adapter("c", LoraConfig(r=6, lora_alpha=3, init_lora_weights=False,
+                                      target_modules=["embed_tokens", "lm_head", "gate_proj"]))
+    if dtype != torch.float32:
+        # a half-precision base with the float32 adapters PEFT keeps by default
+        # (autocast_adapter_dtype=True): the same values, only the base rounded
+        for name, p in model.named_parameters():
+            if "lora_" not in name:
+                p.data = p.data.to(dtype)
+    return model.eval()
+
+
+def ids(batch=3, t=10, seed=1):
+    return torch.randint(0, VOCAB, (batch, t), generator=torch.Generator().manual_seed(seed))
+
+
+def close(got, ref, what=""):
+    err = (got.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert err <= 2e-5 * max(scale, 1.0), f"{what}: max |ours - PEFT| = {err:.3e} (|PEFT| {scale:.3g})"
+
+
+def both(model, fn, check=True):
+    """fn() under PEFT's forward, then under accelerate_peft (restored afterwards)."""
+    with torch.no_grad():
+        ref = fn()
+        with lora.accelerate_peft(model) as acc:
+            got = fn()
+            status = (acc.accelerated, acc.skipped)
+    if check:
+        close(got, ref)
+    return ref, got, status
+
+
+@pytest.fixture(scope="module")
+def model():
+    return peft_model()
+
+
+def logits(model, x, **kw):
+    return model(x, **kw).logits
+
+
+def test_active_adapters_and_set_adapter(model):
+    x = ids()
+    for active in (["a"], ["b"], ["c"], ["a", "b", "c"], ["c", "a"]):
+        model.base_model.set_adapter(active)
+        _, _, (accel, skipped) = both(model, lambda: logits(model, x))
+        assert not skipped and len(accel) >= 10
+    model.set_adapter("a")
+
+
+def test_every_lora_layer_is_served(model):
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        model(ids())
+        names = {n for n, m in model.named_modules()
+                 if type(m) in (peft.tuners.lora.layer.Linear, peft.tuners.lora.layer.Embedding)}
+        assert set(acc.accelerated) == names and not acc.skipped
+
+
+def test_mixed_batch_adapter_names(model):
+    x = ids(batch=5)
+    names = ["a", "__base__", "c", "b", "a"]
+    model.base_model.set_adapter(["a", "b", "c"])
+    both(model, lambda: logits(model, x, adapter_names=names))
+    model.set_adapter("a")
+
+
+def test_generate_greedy_tokens_identical(model):
+    x = ids(batch=2, t=6)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(input_ids=x, **kw)
+        ref_mixed = model.generate(input_ids=x, adapter_names=["b", "c"], **kw)
+        with lora.accelerate_peft(model):
+            got = model.generate(input_ids=x, **kw)
+            got_mixed = model.generate(input_ids=x, adapter_names=["b", "c"], **kw)
+    assert torch.equal(ref, got) and torch.equal(ref_mixed, got_mixed)
+
+
+def test_disable_adapter_and_merge(model):
+    x = ids()
+    model.set_adapter("a")
+
+    def disabled():
+        with model.disable_adapter():
+            return logits(model, x)
+
+    both(model, disabled)
+
+    def merged():
+        model.merge_adapter()
+        out = logits(model, x)
+        model.unmerge_adapter()
+        return out
+
+    both(model, merged)
+
+
+def test_scales_are_read_at_every_call(model):
+    from peft.helpers import rescale_adapter_scale
+
+    x = ids()
+    model.set_adapter("a")
+    layers = [m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.LoraLayer)]
+    with torch.no_grad(), lora.accelerate_peft(model):
+        first = logits(model, x)
+        for m in layers:
+            m.set_scale("a", 0.25)
+        quarter = logits(model, x)
+        for m in layers:
+            m.scale_layer(3.0)
+        tripled = logits(model, x)
+        for m in layers:
+            m.unscale_layer(None)
+        with rescale_adapter_scale(model, 0.5):
+            halved = logits(model, x)
+        for m in layers:
+            m.set_scale("a", 1.0)
+    with torch.no_grad():
+        ref_first = logits(model, x)
+        for m in layers:
+            m.set_scale("a", 0.25)
+        close(quarter, logits(model, x), "set_scale")
+        for m in layers:
+            m.scale_layer(3.0)
+        close(tripled, logits(model, x), "scale_layer")
+        for m in layers:
+            m.unscale_layer(None)
+        with rescale_adapter_scale(model, 0.5):
+            close(halved, logits(model, x), "rescale_adapter_scale")
+        for m in layers:
+            m.set_scale("a", 1.0)
+    close(first, ref_first)
+
+
+def test_weight_changes_are_seen_at_the_next_call():
+    model = peft_model(seed=3)
+    model.set_adapter("b")
+    x = ids()
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        logits(model, x)
+        q.lora_B["b"].weight.mul_(2.0)               # in place, through the parameter
+        after_inplace = logits(model, x)
+        q.lora_A["b"].weight.data.add_(0.5)          # through .data (no version bump)
+        after_data = logits(model, x)
+        q.lora_B["b"].weight.data = torch.randn_like(q.lora_B["b"].weight) * 0.1  # new storage
+        after_new = logits(model, x)
+        assert not acc.skipped
+    with torch.no_grad():
+        close(after_new, logits(model, x), "new storage")
+        q.lora_B["b"].weight.data = q.lora_B["b"].weight.data.clone()
+    assert not torch.equal(after_inplace, after_data)
+
+
+def test_added_loaded_and_deleted_adapters(tmp_path):
+    model = peft_model(seed=4)
+    x = ids()
+    saved = tmp_path / "saved"
+    model.save_pretrained(str(saved), selected_adapters=["b"])
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        model.add_adapter("new", LoraConfig(r=3, lora_alpha=5, init_lora_weights=False,
+                                            target_modules=["k_proj", "lm_head"]))
+        model.set_adapter("new")
+        got_new = logits(model, x)
+        model.load_adapter(str(saved / "b"), adapter_name="loaded")
+        model.set_adapter("loaded")
+        got_loaded = logits(model, x)
+        model.delete_adapter("new")
+        model.set_adapter("a")
+        got_after_delete = logits(model, x)
+        assert "base_model.model.model.layers.0.self_attn.k_proj" in acc.accelerated
+    with torch.no_grad():
+        model.set_adapter("loaded")
+        close(got_loaded, logits(model, x), "load_adapter")
+        model.set_adapter("a")
+        close(got_after_delete, logits(model, x), "delete_adapter")
+    assert got_new.shape == got_loaded.shape
+
+
+def test_hotswap_adapter(tmp_path):
+    from peft.utils.hotswap import hotswap_adapter
+
+    donor = peft_model(seed=5)
+    donor.save_pretrained(str(tmp_path / "donor"), selected_adapters=["a"])
+    model = peft_model(seed=6)
+    model.set_adapter("a")
+    x = ids()
+    with torch.no_grad(), lora.accelerate_peft(model):
+        before = logits(model, x)
+        hotswap_adapter(model, str(tmp_path / "donor" / "a"), adapter_name="a")
+        after = logits(model, x)
+    with torch.no_grad():
+        close(after, logits(model, x), "hotswap")
+    assert not torch.allclose(before, after)
+
+
+def test_alora(model):
+    base = tiny_llama(seed=7)
+    m = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                        task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"],
+                                        alora_invocation_tokens=[5, 9]), adapter_name="al")
+    m.add_adapter("plain", LoraConfig(r=4, init_lora_weights=False, target_modules=["q_proj"]))
+    m.eval()
+    x = ids(batch=3, t=12)
+    x[0, 3:5] = torch.tensor([5, 9])   # invoked early
+    x[1, 9:11] = torch.tensor([5, 9])  # invoked late
+    x[2] = torch.where(x[2] == 5, 6, x[2])  # never invoked
+    m.set_adapter("al")
+    _, got, (accel, _) = both(m, lambda: logits(m, x))
+    assert accel
+    with torch.no_grad(), m.disable_adapter():
+        plain = logits(m, x)
+    # the adapter acts only from its invocation on: row 2 never, row 1 late, row 0 early
+    assert torch.allclose(got[2], plain[2]) and torch.allclose(got[1, :9], plain[1, :9])
+    assert not torch.allclose(got[1, 10:], plain[1, 10:]) and not torch.allclose(got[0], plain[0])
+    both(m, lambda: logits(m, x, adapter_names=["al", "plain", "al"]))
+
+
+def test_training_falls_back_and_gradients_flow():
+    model = peft_model(seed=8)
+    model.base_model.set_adapter(["a", "b", "c"])  # every LoRA layer has an active adapter
+    model.train()
+    x = ids()
+    with lora.accelerate_peft(model) as acc:
+        out = logits(model, x).sum()
+        out.backward()
+        grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.requires_grad]
+        assert grads and all(g is not None for g in grads)
+        assert not acc.accelerated and acc.skipped
+        assert any("autograd" in why or "dropout" in why for why in acc.skipped.values())
+    model.eval()
+
+
+def test_restore_gives_peft_back_bit_for_bit(model):
+    x = ids()
+    model.set_adapter("b")
+    with torch.no_grad():
+        ref = logits(model, x)
+        acc = lora.accelerate_peft(model)
+        with pytest.raises(ValueError, match="already accelerated"):
+            lora.accelerate_peft(model)
+        logits(model, x)
+        acc.restore()
+        acc.restore()  # twice: a no-op
+        assert torch.equal(logits(model, x), ref)
+        assert all("forward" not in m.__dict__ for m in model.modules())
+    lora.accelerate_peft(model).restore()  # accelerating again after a restore is fine
+    model.set_adapter("a")
+
+
+def test_refused_models():
+    with pytest.raises(ValueError, match="no PEFT LoRA"):
+        lora.accelerate_peft(tiny_llama())
+    with pytest.raises(TypeError):
+        lora.accelerate_peft("model")
+
+
+def test_dora_layers_fall_back_with_a_reason():
+    base = tiny_llama(seed=9)
+    m = get_peft_model(base, LoraConfig(r=4, use_dora=True, init_lora_weights=False,
+                                        target_modules=["q_proj"])).eval()
+    x = ids()
+    _, _, (accel, skipped) = both(m, lambda: logits(m, x))
+    assert not accel and skipped and all("DoRA" in why for why in skipped.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_model_error_no_larger_than_peft(dtype):
+    """The LoRA term in float32, rounded once: the half model's logits are no further from the
+    float32 model's than PEFT's own (within 1.5x)."""
+    ref32 = peft_model(seed=10)
+    half = peft_model(dtype=dtype, seed=10)
+    x = ids(batch=4, t=12)
+    for active in (["a"], ["a", "b", "c"]):
+        ref32.base_model.set_adapter(active)
+        half.base_model.set_adapter(active)
+        with torch.no_grad():
+            exact = logits(ref32, x).double()
+        peft_half, ours_half, (accel, skipped) = both(half, lambda: logits(half, x), check=False)
+        assert accel and not skipped
+        e_peft = (peft_half.double() - exact).norm().item()
+        e_ours = (ours_half.double() - exact).norm().item()
+        assert e_ours <= 1.5 * e_peft, (active, e_ours, e_peft)
+
+
+def test_memory_added_is_small():
+    """Views of PEFT's tensors, not copies: what accelerate_peft allocates (Python objects and
+    the small C handles, which cffi allocates through Python's allocator) is <= 5% of the
+    adapters' own bytes."""
+    big = get_peft_model(tiny_llama(hidden=256, layers=4, seed=12),
+                         LoraConfig(r=64, init_lora_weights=False,
+                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                    "gate_proj", "up_proj", "down_proj"])).eval()
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in big.named_parameters()
+                        if "lora_" in n)
+    x = ids()
+    with torch.no_grad():
+        logits(big, x)
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        acc = lora.accelerate_peft(big)
+        logits(big, x)
+        logits(big, x)
+        gc.collect()
+        added = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        acc.restore()
+    assert added <= 0.05 * adapter_bytes, (added, adapter_bytes)
