@@ -261,7 +261,7 @@ def json_doc(meta, notes, W, results):
 def _best_torch(w):
     """Speedup over the fastest PyTorch way of doing this row's job (None without torch)."""
     sp = w.result["speedup"]
-    keys = ["torch", "torch_f32", "torch_group"]
+    keys = ["torch", "torch_f32", "torch_group", "peft"]
     if w.result.get("torch_used"):
         keys.append("gather_einsum")
     vals = [sp[k] for k in keys if k in sp]
@@ -276,7 +276,8 @@ def plot(path, W, meta):
     import matplotlib.ticker
     from matplotlib.patches import Patch
 
-    done = [w for w in W if "speedup" in w.result]  # the start-up rows have no bars
+    # the start-up, edge and adapter-set rows have no speedup bars
+    done = [w for w in W if "speedup" in w.result and w.group not in ("edge", "setstep")]
     labels = [f"{w.name} {DT[w.dtype]}" + (" !" if (w.result.get("others_cpu") or 0) > CpuMonitor.BUSY else "")
               for w in done]
 
