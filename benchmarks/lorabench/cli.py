@@ -51,6 +51,10 @@ COLUMNS_NOTE = [
     "  vs X = X's median / ours (> 1: lora is faster). Half-precision rows: naive/tuned are the NumPy float32",
     "  baselines of the same shape; torch stores the adapters in the same half dtype; torch f32 is the float32",
     "  torch row (a user who upcasts the adapters once).",
+  "  x/out rows: bf16 adapters on bf16 activations (NumPy ml_dtypes arrays or torch tensors); torch = PyTorch",
+  "  in bf16 by hand; PEFT = its float32 upcast; naive/tuned and vs ours f32 = the float32 row of that shape.",
+  "  edge rows: calls at scale 0 (no arithmetic): the Python layer and the C entry alone. adapter-set step:",
+  "  one decode step, a bank call per projection; its edge is the same step with every adapter's scale 0.",
 ]
 
 
@@ -98,7 +102,11 @@ def main(argv=None, description=None):
         notes.append(f"lora runs {meta['lora_threads']} threads, not the {threads} asked for "
                      f"(kernel_info: openmp {kinfo.get('openmp')})")
 
-    W = workloads.workloads(sweep_layers, startup_runs=5 if quick else 11)
+    set_layers = workloads.QUICK_SET_LAYERS if quick else workloads.LLAMA2_7B_LAYERS
+    if quick:
+        notes.append(f"--quick: the adapter-set step builds {set_layers} of the model's "
+                     f"{workloads.LLAMA2_7B_LAYERS} layers (a full run builds them all)")
+    W = workloads.workloads(sweep_layers, startup_runs=5 if quick else 11, set_layers=set_layers)
     if args.only:
         W = [w for w in W if any(t in f"{w.name} {w.group} {w.dtype}" for t in args.only)]
     progress = report.Progress(len(W) + 2, enabled=not args.no_progress)

@@ -67,6 +67,9 @@ _BASE_NAMES = {
     "single": "single-adapter add_batch_to", "_dram_read": "DRAM read reference",
     "_same_size_read": "same-size read reference", "numpy_naive_f32": "NumPy naive (f32)",
     "numpy_tuned_f32": "NumPy tuned (f32)", "ours_f32": "ours f32", "torch_f32": "PyTorch f32",
+    "single_add_to": "single-adapter add_to", "ours_f32act": "ours, f32 x/out", "peft": "PEFT (f32 upcast)",
+    "ours_torch": "ours, torch tensors", "set": "AdapterSet bank", "delta": "LoraDelta add_batch_to",
+    "edge": "edge (every scale 0)",
 }
 
 
@@ -153,17 +156,28 @@ def table_lines(W):
             naive, tuned, tor = sp.get("numpy_group"), sp.get("gather_einsum"), sp.get("torch_group")
             other.append("naive=NumPy grouping, tuned=gather+einsum" + (" (torch)" if r.get("torch_used") else " (NumPy)"))
             other.append(f"bank/single {1 / sp['single']:.2f}x")
+            if "single_add_to" in sp:
+                other.append(f"bank/add_to {1 / sp['single_add_to']:.2f}x")
+        elif w.group in ("edge", "setstep"):
+            naive = tuned = tor = None
+            other += _edge_notes(w)
         else:
             naive, tuned, tor = sp.get("numpy_naive" + suffix), sp.get("numpy_tuned" + suffix), sp.get("torch")
-            if suffix:
+            if "ours_f32act" in sp:  # bf16 x/out: against our f32 x/out call and PEFT's upcast
+                other.append(f"vs ours f32 x/out {_ratio(sp['ours_f32act'])}")
+                if "peft" in sp:
+                    other.append(f"vs PEFT f32 upcast {_ratio(sp['peft'])}")
+            if suffix and (w.group != "halfact" or "ours_f32" in sp):
                 other.append(f"vs ours f32 {_ratio(sp.get('ours_f32'))}")
                 if "torch_f32" in sp:
                     other.append(f"vs torch f32 {_ratio(sp['torch_f32'])}")
         busy = r.get("others_cpu")
         if busy is not None and busy > CpuMonitor.BUSY:
             other.append(f"! others used {busy:.1f} CPU")
+        moved = r["bytes"] or r["flops"]
         rows.append((w.name, DT[w.dtype], fmt_time(o["median_s"]), fmt_range(o["min_s"], o["max_s"]),
-                     f"{r['gb_per_s']:.1f}", f"{r['gflop_per_s']:.1f}", r["level"],
+                     f"{r['gb_per_s']:.1f}" if moved else "-", f"{r['gflop_per_s']:.1f}" if moved else "-",
+                     r["level"] if moved else "-",
                      f"{r['roof_pct']:.0f}%" if "roof_pct" in r else "-",
                      _ratio(naive), _ratio(tuned), _ratio(tor), "; ".join(other)))
     widths = [max([len(h)] + [len(x[i]) for x in rows if len(x) == len(head)]) for i, h in enumerate(head)]
@@ -177,6 +191,27 @@ def table_lines(W):
     lines = [fmt(head), "  ".join("-" * wd for wd in widths)]
     lines += [fmt(x) for x in rows]
     return lines
+
+
+def _edge_notes(w):
+    """The "other" column of the edge rows (what the other calls cost over ours) and of the
+    adapter-set step (its edge, its share, what the set costs to build)."""
+    r = w.result
+    impls = r["impls"]
+    t = impls["ours"]["median_s"]
+    if w.group == "setstep":
+        e = impls["edge"]["median_s"]
+        return [f"edge (every scale 0) {fmt_time(e)} = {100 * e / t:.0f}% of the step",
+                f"{r['bank_calls']} bank calls", f"{r['adapters']} adapters: {fmt_bytes(r['adapter_bytes'])} bf16, "
+                f"built in {r['build_s']:.1f} s"]
+    if "delta" in impls:
+        d = impls["delta"]["median_s"]
+        return [f"LoraDelta {fmt_time(d)}; LoraBank +{(t - d) * 1e6:.2f} µs, AdapterSet bank "
+                f"+{(impls['set']['median_s'] - d) * 1e6:.2f} µs"]
+    if "ours_torch" in impls:
+        return [f"tensors {fmt_time(impls['ours_torch']['median_s'])}, "
+                f"{(impls['ours_torch']['median_s'] - t) * 1e6:+.2f} µs over ndarrays"]
+    return []
 
 
 def baseline_lines(W):
@@ -226,7 +261,7 @@ def json_doc(meta, notes, W, results):
 def _best_torch(w):
     """Speedup over the fastest PyTorch way of doing this row's job (None without torch)."""
     sp = w.result["speedup"]
-    keys = ["torch", "torch_f32", "torch_group"]
+    keys = ["torch", "torch_f32", "torch_group", "peft"]
     if w.result.get("torch_used"):
         keys.append("gather_einsum")
     vals = [sp[k] for k in keys if k in sp]
@@ -241,7 +276,8 @@ def plot(path, W, meta):
     import matplotlib.ticker
     from matplotlib.patches import Patch
 
-    done = [w for w in W if "speedup" in w.result]  # the start-up rows have no bars
+    # the start-up, edge and adapter-set rows have no speedup bars
+    done = [w for w in W if "speedup" in w.result and w.group not in ("edge", "setstep")]
     labels = [f"{w.name} {DT[w.dtype]}" + (" !" if (w.result.get("others_cpu") or 0) > CpuMonitor.BUSY else "")
               for w in done]
 

@@ -10,7 +10,8 @@ import operator
 from dataclasses import dataclass
 
 from .machine import CpuMonitor, fmt_bytes
-from .workloads import DECODE_SHAPES, bank_name, decode_name, gather_name, prefill_name
+from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, edge_name, gather_name,
+                        halfact_name, prefill_name)
 
 DT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "-": "-"}
 
@@ -95,6 +96,26 @@ class Milliseconds:
 
 
 @dataclass(frozen=True)
+class Micros:
+    """A row's median time of `impl` in µs, less that of `minus` when given (an edge: what one
+    way of making a call costs over another, both timed in the same row)."""
+
+    impl: str = "ours"
+    minus: str = None
+
+    def __call__(self, rows, run):
+        impls = rows[0].result["impls"]
+        missing = [k for k in (self.impl, self.minus) if k and k not in impls]
+        if missing:
+            return None, f"{', '.join(missing)} not measured", rows[:1]
+        t = impls[self.impl]["median_s"] * 1e6
+        if not self.minus:
+            return t, "", rows[:1]
+        t0 = impls[self.minus]["median_s"] * 1e6
+        return t - t0, f"{self.impl} {t:.2f} µs, {self.minus} {t0:.2f} µs", rows[:1]
+
+
+@dataclass(frozen=True)
 class SlowestOver:
     """The smallest speedup over the given baselines across every row that has one."""
 
@@ -166,7 +187,23 @@ TARGETS = (
                FastestOf(("numpy_group", "gather_einsum")), ">=", 3.0, bar="tuned"),
         Target(f"bank b{n} time / single-adapter add_batch_to time", Rows("bank", "float32", bank_name(n)),
                Speedup("single", inverse=True), "<=", 1.3))),
-    Target("no workload slower than PyTorch", Rows(), SlowestOver(("torch", "torch_f32", "torch_group"),
+    *(Target(f"prefill b512 bf16 x/out {k} vs our f32 x/out", Rows("halfact", "bfloat16", halfact_name(512, k)),
+             Speedup("ours_f32act"), ">=", 1.3) for k in ("ndarray", "tensor")),
+    Target("every bf16 x/out row vs PyTorch bf16", Rows("halfact"), SlowestOver(("torch",)), ">=", 2.0),
+    Target("edge add_to f32 ndarray (µs)", Rows("edge", "float32", edge_name("add_to")), Micros(), "<=", 0.6),
+    *(Target(f"edge {m} {DT[a]}: tensor - ndarray (µs)", Rows("edge", a, edge_name(m, b)),
+             Micros("ours_torch", "ours"), "<=", 0.5)
+      for m, b in (("add_to", None), ("add_batch_to", EDGE_BATCH)) for a in ("float32", "bfloat16")),
+    Target("bank b64 scaled vs best of NumPy grouping / gather+einsum / torch grouping",
+           Rows("bank", "float32", bank_name(64, True)), FastestOf(("numpy_group", "gather_einsum", "torch_group")),
+           ">=", 3.0, bar="tuned"),
+    Target("bank b1 scaled time / single-adapter add_to time", Rows("bank", "float32", bank_name(1, True)),
+           Speedup("single_add_to", inverse=True), "<=", 1.3),
+    Target(f"edge LoraBank b{EDGE_BATCH} - LoraDelta add_batch_to (µs)", Rows("edge", "float32", BANK_EDGE_NAME),
+           Micros("ours", "delta"), "<=", 2.0),
+    Target(f"edge AdapterSet bank b{EDGE_BATCH} - LoraDelta add_batch_to (µs)",
+           Rows("edge", "float32", BANK_EDGE_NAME), Micros("set", "delta"), "<=", 2.0),
+    Target("no workload slower than PyTorch", Rows(), SlowestOver(("torch", "torch_f32", "torch_group", "peft"),
                                                                   ("gather_einsum",)), ">=", 1.0),
     Target("import lora, fresh interpreter (ms)", Rows("startup", name="python -c 'import lora'"),
            Milliseconds(), "<=", 150),

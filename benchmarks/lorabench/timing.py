@@ -47,11 +47,12 @@ _LOOPS = {0: _loop0, 1: _loop1, 2: _loop2, 3: _loop3, 4: _loop4}
 class Impl:
     """One way of computing a workload: a bound method and its arguments, called as fn(*args)."""
 
-    __slots__ = ("fn", "args", "loop", "k", "keep")
+    __slots__ = ("fn", "args", "loop", "k", "keep", "before")
 
-    def __init__(self, fn, *args):
+    def __init__(self, fn, *args, before=None):
         self.fn, self.args, self.loop, self.k = fn, args, _LOOPS[len(args)], 1
         self.keep = None
+        self.before = before  # called (untimed) before each of its blocks: state it needs, e.g. a scale
 
     def run(self, k):
         """Wall time in seconds of k back-to-back calls."""
@@ -104,6 +105,8 @@ def measure(impls, cfg, progress, label, monitor=None):
                 if cfg.quiet_wait_s and monitor is not None and attempt:
                     monitor.wait_quiet(cfg.quiet_wait_s, progress)
                 time.sleep(cfg.settle_s)
+                if impl.before is not None:
+                    impl.before()
                 if monitor is not None:
                     monitor.mark()
                 if r == 0 and attempt == 0:

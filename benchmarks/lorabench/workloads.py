@@ -20,6 +20,7 @@ Bytes / flops model (compulsory traffic of one call; ``w`` = storage itemsize of
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +40,7 @@ class Built:
     bytes: int
     flops: int
     check: tuple = None  # (ours_fn, reference_fn, tolerance): each returns a fresh result array
+    info: dict = None  # extra facts for the report (merged into the row's result)
 
 
 @dataclass(eq=False)
@@ -422,8 +424,13 @@ def build_sweep(ctx, layers, rank, dtype):
     return Built(impls, nbytes, flops, (ours_once, ref_once, _TOL[dtype]))
 
 
-def build_bank(ctx, n_adapters, rows, cols, rank, batch):
-    """Mixed batch: position b gets adapter ids[b] (-1: none), vs grouping and gather+einsum."""
+def build_bank(ctx, n_adapters, rows, cols, rank, batch, scaled=False):
+    """Mixed batch: position b gets adapter ids[b], vs grouping and gather+einsum.
+
+    Unscaled rows draw ids from [-1, n) (-1: no adapter).  `scaled` rows give every position an
+    adapter (ids from [0, n)) and a per-position scale (float64, uniform in [0.25, 1.25)) that
+    every implementation applies per row; at batch 1 they are also timed against a
+    single-adapter ``add_to`` (``single_add_to``)."""
     lora, torch = ctx.lora, ctx.torch
     if not hasattr(lora, "LoraBank"):
         raise Skip("lora.LoraBank not in this build")
@@ -432,22 +439,35 @@ def build_bank(ctx, n_adapters, rows, cols, rank, batch):
     deltas = [_make_delta(lora, a, b, "float32", rank) for a, b in pairs]
     s = _scale_of(deltas[0], rank)
     bank = lora.LoraBank(deltas)
-    ids = rng.integers(-1, n_adapters, size=batch, dtype=np.int64)
+    ids = rng.integers(0 if scaled else -1, n_adapters, size=batch, dtype=np.int64)
+    pos = rng.uniform(0.25, 1.25, size=batch) if scaled else None
+    pos_args = (pos,) if scaled else ()
     x = _rand(rng, (batch, cols), 1.0)
 
     def zeros():
         return np.zeros((batch, rows), np.float32)
 
-    impls = {"ours": Impl(bank.add_batch_to, x, zeros(), ids),
+    impls = {"ours": Impl(bank.add_batch_to, x, zeros(), ids, *pos_args),
              "single": Impl(deltas[0].add_batch_to, x, zeros())}
+    if scaled and batch == 1:
+        impls["single_add_to"] = Impl(deltas[0].add_to, x[0], np.zeros(rows, np.float32))
 
-    def numpy_group(x=x, o=zeros(), ids=ids, pairs=pairs, s=s):
-        for u in np.unique(ids):
-            if u < 0:
-                continue
-            idx = np.flatnonzero(ids == u)
-            a, b = pairs[u]
-            o[idx] += s * ((x[idx] @ a.T) @ b.T)
+    if scaled:
+        def numpy_group(x=x, o=zeros(), ids=ids, pos=pos, pairs=pairs, s=s):
+            for u in np.unique(ids):
+                idx = np.flatnonzero(ids == u)
+                a, b = pairs[u]
+                y = x[idx] @ a.T
+                y *= (s * pos[idx]).astype(np.float32)[:, None]  # the per-row scales, rank-sized
+                o[idx] += y @ b.T
+    else:
+        def numpy_group(x=x, o=zeros(), ids=ids, pairs=pairs, s=s):
+            for u in np.unique(ids):
+                if u < 0:
+                    continue
+                idx = np.flatnonzero(ids == u)
+                a, b = pairs[u]
+                o[idx] += s * ((x[idx] @ a.T) @ b.T)
 
     impls["numpy_group"] = Impl(numpy_group)
     if torch is not None:
@@ -456,22 +476,29 @@ def build_bank(ctx, n_adapters, rows, cols, rank, batch):
         a_all = torch.stack([torch.from_numpy(a) for a, _ in pairs] + [torch.zeros(rank, cols)])
         b_all = torch.stack([torch.from_numpy(b) for _, b in pairs] + [torch.zeros(rows, rank)])
         ids_t, x_t = torch.from_numpy(ids), torch.from_numpy(x)
+        pos_t = torch.from_numpy(pos) if scaled else None  # float64, as the caller hands it over
 
-        def gather_einsum(x=x_t, o=torch.from_numpy(zeros()), ids=ids_t, a_all=a_all, b_all=b_all, s=s):
+        def gather_einsum(x=x_t, o=torch.from_numpy(zeros()), ids=ids_t, pos=pos_t, a_all=a_all, b_all=b_all,
+                          s=s):
             slot = torch.where(ids < 0, n_adapters, ids)
             y = torch.einsum("bc,brc->br", x, a_all[slot])
+            if pos is not None:
+                y *= pos.to(y.dtype).unsqueeze(1)
             o.add_(torch.einsum("br,bor->bo", y, b_all[slot]), alpha=s)
 
         tp = [(torch.from_numpy(a).T, torch.from_numpy(b).T) for a, b in pairs]
 
-        def torch_group(x=x_t, o=torch.from_numpy(zeros()), ids=ids_t, tp=tp, s=s):
+        def torch_group(x=x_t, o=torch.from_numpy(zeros()), ids=ids_t, pos=pos_t, tp=tp, s=s):
             # PEFT's mixed-batch forward: one sub-batch per adapter
             for u in torch.unique(ids).tolist():
                 if u < 0:
                     continue
                 idx = torch.nonzero(ids == u).squeeze(1)
                 at, bt = tp[u]
-                o.index_add_(0, idx, (x[idx] @ at) @ bt, alpha=s)
+                y = x[idx] @ at
+                if pos is not None:
+                    y *= pos[idx].to(y.dtype).unsqueeze(1)
+                o.index_add_(0, idx, y @ bt, alpha=s)
 
         impls["gather_einsum"] = Impl(gather_einsum)
         impls["torch_group"] = Impl(torch_group)
@@ -479,16 +506,18 @@ def build_bank(ctx, n_adapters, rows, cols, rank, batch):
         a_all = np.stack([a for a, _ in pairs] + [np.zeros((rank, cols), np.float32)])
         b_all = np.stack([b for _, b in pairs] + [np.zeros((rows, rank), np.float32)])
 
-        def gather_einsum(x=x, o=zeros(), ids=ids, a_all=a_all, b_all=b_all, s=s):
+        def gather_einsum(x=x, o=zeros(), ids=ids, pos=pos, a_all=a_all, b_all=b_all, s=s):
             slot = np.where(ids < 0, n_adapters, ids)
             y = np.einsum("bc,brc->br", x, a_all[slot])
+            if pos is not None:
+                y *= pos.astype(np.float32)[:, None]
             o += s * np.einsum("br,bor->bo", y, b_all[slot])
 
         impls["gather_einsum"] = Impl(gather_einsum)
 
     def ours_once():
         o = zeros()
-        bank.add_batch_to(x, o, ids)
+        bank.add_batch_to(x, o, ids, *pos_args)
         return o
 
     def ref_once():
@@ -496,19 +525,258 @@ def build_bank(ctx, n_adapters, rows, cols, rank, batch):
         for i, u in enumerate(ids):
             if u >= 0:
                 a, b = pairs[u]
-                o[i] = s * (b.astype(np.float64) @ (a.astype(np.float64) @ x[i]))
+                si = s * (pos[i] if scaled else 1.0)
+                o[i] = si * (b.astype(np.float64) @ (a.astype(np.float64) @ x[i]))
         return o
 
     used = [u for u in np.unique(ids) if u >= 0]
     m = int(np.count_nonzero(ids >= 0))
-    nbytes = len(used) * rank * (rows + cols) * 4 + m * (cols * 4 + rows * 8) + batch * 8
+    nbytes = len(used) * rank * (rows + cols) * 4 + m * (cols * 4 + rows * 8) + batch * (16 if scaled else 8)
     return Built(impls, nbytes, 2 * m * rank * (rows + cols), (ours_once, ref_once, _TOL["float32"]))
+
+
+def _bf16():
+    import ml_dtypes  # a dependency of lora
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _act_pair(torch, x32, oshape, act, kind):
+    """x and a zero out of dtype `act` ("float32" | "bfloat16"), as NumPy arrays (bfloat16 from
+    ml_dtypes) or, kind "tensor", CPU torch tensors (rounded to nearest even either way)."""
+    if kind == "tensor":
+        td = torch.float32 if act == "float32" else torch.bfloat16
+        return torch.from_numpy(x32).to(td), torch.zeros(oshape, dtype=td)
+    nd = np.dtype(np.float32) if act == "float32" else _bf16()
+    return x32.astype(nd), np.zeros(oshape, nd)
+
+
+def _as64(a):
+    return a.double().numpy() if hasattr(a, "double") else np.asarray(a, np.float64)
+
+
+def build_halfact(ctx, batch, kind, rows=4096, cols=4096, rank=16):
+    """bf16 adapters applied to bf16 activations (x and out), NumPy arrays or torch tensors
+    (`kind`), against
+
+    * torch: PyTorch doing the same job in bf16 by hand, preallocated: ``torch.mv/mm(out=)``
+      then ``out.addmv_/addmm_(..., alpha=s)`` on bf16 tensors (the rank-sized intermediate is
+      rounded to bf16, as torch does);
+    * peft: PEFT's default (adapters upcast to float32): ``x.float()`` into a buffer, float32
+      matmuls, ``out.add_(z, alpha=s)`` rounding once into the bf16 out;
+    * ours_f32act: our own call on the same delta with float32 x and out (NumPy).
+    """
+    lora, torch, rng = ctx.lora, ctx.torch, ctx.rng
+    if kind == "tensor" and torch is None:
+        raise Skip("torch tensors: torch is not importable (or --no-torch)")
+    a, b = _pair(rng, rows, cols, rank)
+    d = _make_delta(lora, a, b, "bfloat16", rank)
+    s = _scale_of(d, rank)
+    n = 1 if batch is None else batch
+    xshape = (cols,) if batch is None else (batch, cols)
+    oshape = (rows,) if batch is None else (batch, rows)
+    x32 = _rand(rng, xshape, 1.0)
+    x, out = _act_pair(torch, x32, oshape, "bfloat16", kind)
+    method = d.add_to if batch is None else d.add_batch_to
+    impls = {"ours": Impl(method, x, out),
+             "ours_f32act": Impl(method, x32, np.zeros(oshape, np.float32))}
+    if torch is not None:
+        bf = torch.bfloat16
+        xt = torch.from_numpy(x32).to(bf)
+        ah, bh = torch.from_numpy(a).to(bf), torch.from_numpy(b).to(bf)
+        af, bf32 = torch.from_numpy(a), torch.from_numpy(b)
+        xf, zf = torch.empty(xshape), torch.empty(oshape)
+        if batch is None:
+            def torch_fn(o=torch.zeros(oshape, dtype=bf), x=xt, a=ah, b=bh, s=s, y=torch.empty(rank, dtype=bf),
+                         mv=torch.mv):
+                mv(a, x, out=y)
+                o.addmv_(b, y, alpha=s)
+
+            def peft_fn(o=torch.zeros(oshape, dtype=bf), x=xt, a=af, b=bf32, s=s, xf=xf, y=torch.empty(rank),
+                        z=zf, mv=torch.mv):
+                xf.copy_(x)  # x.float()
+                mv(a, xf, out=y)
+                mv(b, y, out=z)
+                o.add_(z, alpha=s)  # computed in float32, rounded once into bf16
+        else:
+            def torch_fn(o=torch.zeros(oshape, dtype=bf), x=xt, at=ah.T, bt=bh.T, s=s,
+                         y=torch.empty(batch, rank, dtype=bf), mm=torch.mm):
+                mm(x, at, out=y)
+                o.addmm_(y, bt, alpha=s)
+
+            def peft_fn(o=torch.zeros(oshape, dtype=bf), x=xt, at=af.T, bt=bf32.T, s=s, xf=xf,
+                        y=torch.empty(batch, rank), z=zf, mm=torch.mm):
+                xf.copy_(x)
+                mm(xf, at, out=y)
+                mm(y, bt, out=z)
+                o.add_(z, alpha=s)
+
+        impls["torch"] = Impl(torch_fn)
+        impls["peft"] = Impl(peft_fn)
+
+    def ours_once():
+        o = _act_pair(torch, x32, oshape, "bfloat16", kind)[1]
+        method(x, o)
+        return _as64(o)
+
+    def ref_once():
+        x64 = _as64(x)
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        return s * ((x64 @ a64.T) @ b64.T)
+
+    nbytes = rank * (rows + cols) * 2 + n * cols * 2 + n * rows * 2 * 2
+    _, flops = linear_model(rows, cols, [rank], n, 2)
+    return Built(impls, nbytes, flops, (ours_once, ref_once, _TOL["bfloat16"]))
+
+
+EDGE_BATCH = 8
+
+
+def build_edge(ctx, method, act, batch=None, rows=4096, cols=4096, rank=16):
+    """The Python edge of one call: a delta whose LoraScale is 0 (the C call checks its
+    arguments, then skips all arithmetic), so the time is the Python layer's and the C entry's.
+    ours: NumPy x and out; ours_torch: CPU torch tensors of the same dtype and shape."""
+    lora, torch, rng = ctx.lora, ctx.torch, ctx.rng
+    a, b = _pair(rng, rows, cols, rank)
+    d = lora.LoraDelta(a, b, alpha=2.0 * rank, scale=0.0, dtype=act)
+    xshape = (cols,) if batch is None else (batch, cols)
+    oshape = (rows,) if batch is None else (batch, rows)
+    x32 = _rand(rng, xshape, 1.0)
+    fn = getattr(d, method)
+    kinds = ("ndarray",) + (("tensor",) if torch is not None else ())
+    args = {k: _act_pair(torch, x32, oshape, act, k) for k in kinds}
+    impls = {"ours": Impl(fn, *args["ndarray"])}
+    if torch is not None:
+        impls["ours_torch"] = Impl(fn, *args["tensor"])
+
+    def ours_once():  # scale 0 leaves out as it was (zeros), whatever the kind
+        res = []
+        for k in kinds:
+            xk, ok = _act_pair(torch, x32, oshape, act, k)
+            fn(xk, ok)
+            res.append(_as64(ok).reshape(-1))
+        return np.concatenate(res)
+
+    def ref_once():
+        return np.zeros(len(kinds) * math.prod(oshape))
+
+    return Built(impls, 0, 0, (ours_once, ref_once, 0.0))
+
+
+def build_bank_edge(ctx, n_adapters=8, rows=4096, cols=4096, rank=16, batch=EDGE_BATCH):
+    """The edge of a bank call (every adapter's scale 0): ours = ``LoraBank.add_batch_to`` with
+    random ids and per-position float64 scales; set = an ``AdapterSet`` bank over the same
+    deltas, same ids and scales; delta = ``LoraDelta.add_batch_to`` at scale 0 of the same x
+    and out (all float32 NumPy)."""
+    lora, rng = ctx.lora, ctx.rng
+    deltas = []
+    for _ in range(n_adapters):
+        a, b = _pair(rng, rows, cols, rank)
+        deltas.append(lora.LoraDelta(a, b, alpha=2.0 * rank, scale=0.0))
+    bank = lora.LoraBank(deltas)
+    aset = lora.AdapterSet({f"adapter{i}": lora.LoraAdapter({"proj": d}, name=f"adapter{i}", alpha=2.0 * rank,
+                                                             scale=d.scale) for i, d in enumerate(deltas)})
+    set_bank = aset.bank("proj")
+    ids = aset.slots([f"adapter{i}" for i in rng.integers(0, n_adapters, size=batch)])
+    pos = rng.uniform(0.25, 1.25, size=batch)
+    x = _rand(rng, (batch, cols), 1.0)
+
+    def zeros():
+        return np.zeros((batch, rows), np.float32)
+
+    impls = {"ours": Impl(bank.add_batch_to, x, zeros(), ids, pos),
+             "set": Impl(set_bank.add_batch_to, x, zeros(), ids, pos),
+             "delta": Impl(deltas[0].add_batch_to, x, zeros())}
+
+    def ours_once():
+        o1, o2 = zeros(), zeros()
+        bank.add_batch_to(x, o1, ids, pos)
+        set_bank.add_batch_to(x, o2, ids, pos)
+        return np.concatenate([o1, o2])
+
+    return Built(impls, 0, 0, (ours_once, lambda: np.zeros((2 * batch, rows)), 0.0))
+
+
+SET_ADAPTERS, SET_RANK, SET_BATCH = 8, 16, 8
+QUICK_SET_LAYERS = 2  # --quick: the adapter-set step builds 2 of the 32 layers
+
+
+def build_set_step(ctx, layers, n_adapters=SET_ADAPTERS, rank=SET_RANK, batch=SET_BATCH):
+    """One decode step of `batch` sequences through an ``AdapterSet`` of `n_adapters` adapters
+    (bf16 storage) over every adapted projection of `layers` Llama-2-7B-shaped layers: one bank
+    call per projection (7 per layer), float32 activations, random slot ids and per-position
+    float64 scales.  ours: the step; edge: the same step with every adapter's LoraScale at 0
+    (the calls check and return: the Python and C-entry share of the step)."""
+    lora = ctx.lora
+    rng = np.random.default_rng(9)
+    t0 = time.perf_counter()
+    aset, scales, checked = lora.AdapterSet(), [], []
+    for k in range(n_adapters):
+        sc = lora.LoraScale(1.0)
+        ds = {}
+        for layer in range(layers):
+            for proj, rows, cols in LLAMA2_7B:
+                a, b = _pair(rng, rows, cols, rank)
+                ds[f"{layer}.{proj}"] = lora.LoraDelta(a, b, alpha=2.0 * rank, scale=sc, dtype="bfloat16")
+                if layer == 0 and proj == "q":
+                    checked.append((a, b))
+        aset.add(f"adapter{k}", lora.LoraAdapter(ds, name=f"adapter{k}", alpha=2.0 * rank, scale=sc))
+        scales.append(sc)
+    build_s = time.perf_counter() - t0
+    ids = aset.slots([f"adapter{i}" for i in rng.integers(0, n_adapters, size=batch)])
+    pos = rng.uniform(0.25, 1.25, size=batch)
+    xs = {c: _rand(rng, (batch, c), 1.0) for c in (4096, 11008)}
+    outs = {r: np.zeros((batch, r), np.float32) for r in (4096, 11008)}
+    calls = [(aset.bank(f"{layer}.{proj}").add_batch_to, xs[cols], outs[rows])
+             for layer in range(layers) for proj, rows, cols in LLAMA2_7B]
+
+    def step(calls=calls, ids=ids, pos=pos):
+        for f, x, o in calls:
+            f(x, o, ids, pos)
+
+    def set_scales(v):
+        for sc in scales:
+            sc.set(v)
+
+    impls = {"ours": Impl(step, before=lambda: set_scales(1.0)),
+             "edge": Impl(step, before=lambda: set_scales(0.0))}
+    q0 = aset.bank("0.q")
+    s = 2.0  # alpha / rank
+
+    def ours_once():  # layer 0's q at scale 1, then at scale 0 (must add nothing)
+        res = []
+        for v in (1.0, 0.0):
+            set_scales(v)
+            o = np.zeros((batch, 4096), np.float32)
+            q0.add_batch_to(xs[4096], o, ids, pos)
+            res.append(o)
+        set_scales(1.0)
+        return np.concatenate(res)
+
+    def ref_once():
+        o = np.zeros((2 * batch, 4096))
+        for i, u in enumerate(ids):
+            a, b = checked[u]
+            o[i] = s * pos[i] * (b.astype(np.float64) @ (a.astype(np.float64) @ xs[4096][i]))
+        return o
+
+    used = len(np.unique(ids))
+    nbytes = flops = 0
+    for _ in range(layers):
+        for _, rows, cols in LLAMA2_7B:
+            nbytes += used * rank * (rows + cols) * 2 + batch * (cols * 4 + rows * 8) + batch * 16
+            flops += 2 * batch * rank * (rows + cols)
+    info = {"build_s": build_s, "adapter_bytes": aset.resident_bytes, "layers": layers,
+            "bank_calls": len(calls), "adapters": n_adapters}
+    return Built(impls, nbytes, flops, (ours_once, ref_once, _TOL["bfloat16"]), info)
 
 
 DECODE_SHAPES = ((4096, 4096, 8), (4096, 4096, 16), (4096, 4096, 64), (11008, 4096, 16), (4096, 11008, 16))
 PREFILL_BATCHES = (1, 8, 32, 128, 512)
 GATHER = (32000, 4096, 16)
 BANK_BATCHES = (64, 512)
+BANK_SCALED_BATCHES = (1, 8, 64)
+HALF_ACT_BATCHES = (None, 128, 512)  # None: decode (add_to)
 
 
 def decode_name(rows, cols, rank):
@@ -523,11 +791,27 @@ def gather_name(n):
     return f"gather n{n} {GATHER[0]}x{GATHER[1]} r{GATHER[2]}"
 
 
-def bank_name(batch):
-    return f"bank 8x r16 b{batch} 4096x4096"
+def bank_name(batch, scaled=False):
+    return f"bank 8x r16 b{batch} 4096x4096" + (" scaled" if scaled else "")
 
 
-def workloads(sweep_layers, startup_runs):
+def halfact_name(batch, kind):
+    """bf16 activations: kind "ndarray" (NumPy, ml_dtypes) or "tensor" (torch)."""
+    return f"{decode_name(4096, 4096, 16) if batch is None else prefill_name(batch)} x/out {kind}"
+
+
+def edge_name(method, batch=None):
+    return f"edge {method}" + (f" b{batch}" if batch else "") + " scale 0"
+
+
+BANK_EDGE_NAME = f"edge bank 8x b{EDGE_BATCH} scale 0"
+
+
+def set_step_name(layers):
+    return f"adapter-set step {layers}L 8x r16 b8"
+
+
+def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS):
     W = [Workload(name, "startup", "-", None, run=lambda ctx, cfg, status, monitor, args=args:
                   startup.measure(ctx.lora, args, startup_runs, status, monitor, cfg.settle_s))
          for name, args in startup.COMMANDS.items()]
@@ -552,6 +836,17 @@ def workloads(sweep_layers, startup_runs):
         add(key, "sweep", dtype, lambda c, d=dtype: build_sweep(c, sweep_layers, SWEEP_RANK, d), key)
     for n in BANK_BATCHES:
         add(bank_name(n), "bank", "float32", lambda c, n=n: build_bank(c, 8, 4096, 4096, 16, n))
+    for n in BANK_SCALED_BATCHES:
+        add(bank_name(n, True), "bank", "float32", lambda c, n=n: build_bank(c, 8, 4096, 4096, 16, n, True))
+    for kind in ("ndarray", "tensor"):  # bf16 activations; their f32 twins: the decode / prefill rows
+        for n in HALF_ACT_BATCHES:
+            key = decode_name(4096, 4096, 16) if n is None else prefill_name(n)
+            add(halfact_name(n, kind), "halfact", "bfloat16", lambda c, n=n, k=kind: build_halfact(c, n, k), key)
+    for method, batch in (("add_to", None), ("add_batch_to", EDGE_BATCH)):
+        for act in ("float32", "bfloat16"):
+            add(edge_name(method, batch), "edge", act, lambda c, a=(method, act, batch): build_edge(c, *a))
+    add(BANK_EDGE_NAME, "edge", "float32", build_bank_edge)
+    add(set_step_name(set_layers), "setstep", "bfloat16", lambda c: build_set_step(c, set_layers))
     return W
 
 
@@ -580,6 +875,7 @@ def run_workload(wl, ctx, cfg, status, monitor=None):
     res = {"bytes": built.bytes, "flops": built.flops, "check_rel_err": err}
     if not err <= tol:
         raise AssertionError(f"result differs from the float64 reference: relative error {err:.2e} > {tol:.0e}")
+    res.update(built.info or {})
     samples, res["others_cpu"] = measure(built.impls, cfg, status, wl.name, monitor)
     res["impls"] = {name: {**summarize(v), "calls_per_sample": built.impls[name].k} for name, v in samples.items()}
     for name, impl in built.impls.items():
@@ -604,7 +900,7 @@ def analyse(wl, res, bw, peak, threads, caches, by_key):
         if ref in res["impls"]:
             r = res["impls"][ref]
             res[key] = r["bytes"] / r["median_s"]
-    if bw:
+    if bw and (res["bytes"] or res["flops"]):  # the edge rows move nothing: no roof
         level_bw = res.get("same_size_read_bytes_per_s", bw[level]["bytes_per_s"])
         bound = res["bytes"] / level_bw
         binds = "memory"
@@ -616,7 +912,7 @@ def analyse(wl, res, bw, peak, threads, caches, by_key):
     for name, r in res["impls"].items():
         if name != "ours" and not name.startswith("_"):
             sp[name] = r["median_s"] / t
-    twin = by_key.get(wl.key) if wl.dtype != "float32" else None
+    twin = by_key.get(wl.key) if wl.dtype != "float32" and wl.key else None
     if twin is not None and "impls" in twin.result:
         for name in ("numpy_naive", "numpy_tuned", "torch"):
             if name in twin.result["impls"]:
