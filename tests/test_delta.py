@@ -24,7 +24,7 @@ OPS = ["add_to", "add_batch_to", "add_row_to", "add_rows_to"]
 BASE = {"rank": 8, "rows": 24, "cols": 40}
 BATCH = 6  # more than one 4-position kernel block, with a partial one
 MIN_OUTPUTS = 512      # output values pooled per accuracy verdict
-MIN_PROJECTIONS = 128  # independent rank values (positions x rank) pooled per verdict
+MIN_PROJECTIONS = 512  # independent rank values (distinct positions x rank) pooled per verdict
 # LORA_TEST_SEED=n reseeds every random test here (to look for seed-dependent verdicts)
 SALT = int(os.environ.get("LORA_TEST_SEED", "0"))
 
@@ -76,8 +76,9 @@ def run_op(op, make_entry_, rng, rows, cols, batch=BATCH, min_outputs=MIN_OUTPUT
         part = run_op_once(op, entry, rng, rows, cols, batch)
         parts.append(part)
         outputs += part[0].size
-        # each rank value of A.x (or of s * B[r]) is shared by a whole output row: count them too
-        positions = 1 if op in ("add_to", "add_row_to") else batch
+        # each rank value of A.x (or of s * B[r]) is shared by a whole output row: count them too;
+        # a gather has at most `rows` distinct tokens, and positions on one token share its sums
+        positions = {"add_to": 1, "add_row_to": 1, "add_batch_to": batch}.get(op, min(batch, rows))
         projections += positions * min(d.rank for d in members(entry))
     return tuple(np.concatenate(p) for p in zip(*parts))
 
