@@ -35,12 +35,24 @@ def is_bf16(dt):
     return dt.name == "bfloat16" and dt.itemsize == 2
 
 
+FAST_CODES = {id(F32): DT_F32, id(F16): DT_F16}  # see lora.delta's fast paths
+
+
 def np_code(dt):
     """The dtype code of a native float32/float16/bfloat16 NumPy dtype, else None."""
+    code = FAST_CODES.get(id(dt))
+    if code is not None:
+        return code
     code = _NP_CODES.get(dt)
     if code is None and is_bf16(dt):
-        return DT_BF16
+        code = DT_BF16
+        if dt.isnative and dt is np.dtype(dt.type):  # the canonical object: remember it
+            FAST_CODES[id(dt)] = DT_BF16
+            _KEEP.append(dt)
     return code if dt.isnative else None
+
+
+_KEEP = []  # dtype objects whose id() is in FAST_CODES stay alive
 
 
 def is_float_dtype(dt):

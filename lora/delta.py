@@ -17,6 +17,7 @@ from . import _arrays as A
 from . import _storage as S
 from ._lora_cffi import ffi, lib
 from .errors import LoraShapeError
+from . import scale as _scale_mod
 from .scale import LoraScale
 
 __all__ = ["LoraDelta", "LoraStack"]
@@ -37,6 +38,11 @@ _lora_add_batch_at = lib.lora_add_batch_at
 _lora_apply_batch = lib.lora_apply_batch
 _lora_apply_rows = lib.lora_apply_rows
 _ERR_ALIGN = lib.LORA_ERR_ALIGN
+_EPOCH = _scale_mod.epoch
+# the fast paths' activation dtypes, by the identity of NumPy's canonical dtype objects (a
+# non-native or otherwise unusual dtype object takes the checked path); bfloat16 joins the
+# first time an activation of it is checked (ml_dtypes is never imported for this)
+_FAST = A.FAST_CODES
 
 
 def alpha_factor(alpha, rank, rslora):
@@ -248,12 +254,13 @@ class LoraDelta:
         place, anything else converted to float32 (a copy).  Raises TypeError/ValueError naming
         expected vs actual; ``out`` is untouched on error.
         """
-        if (type(x) is _ndarray and type(out) is _ndarray and x.dtype is _F32
-                and out.dtype is _F32 and x.shape == self._xshape and out.shape == self._oshape):
+        if (type(x) is _ndarray and type(out) is _ndarray
+                and (xc := _FAST.get(id(x.dtype))) is not None
+                and (oc := _FAST.get(id(out.dtype))) is not None
+                and x.shape == self._xshape and out.shape == self._oshape):
             try:  # the common case: no conversion, no copy, no further check
                 xp = _from_buffer(x)
                 op = _from_buffer(out, require_writable=True)
-                xc = oc = _DT_F32
             except ValueError:
                 x, xp, xc, op, oc = self._vec_args(x, out)
         elif type(out) is not _ndarray and (
@@ -287,13 +294,14 @@ class LoraDelta:
         stride, e.g. ``qkv[:, :d]``), written in place.  Each position is bit-identical to
         ``add_to`` on it alone.
         """
-        if (type(x) is _ndarray and type(out) is _ndarray and x.dtype is _F32
-                and out.dtype is _F32 and out.ndim == 2 and out.shape[1] == self._rows
+        if (type(x) is _ndarray and type(out) is _ndarray
+                and (xc := _FAST.get(id(x.dtype))) is not None
+                and (oc := _FAST.get(id(out.dtype))) is not None
+                and out.ndim == 2 and out.shape[1] == self._rows
                 and x.shape == (out.shape[0], self._cols)):
-            try:  # C-contiguous float32 of the right shapes: no conversion, no copy
+            try:  # C-contiguous arrays of the right shapes: no conversion, no copy
                 xp, ldx = _from_buffer(x), self._cols
                 op, ldo = _from_buffer(out, require_writable=True), self._rows
-                xc = oc = _DT_F32
                 batch = out.shape[0]
             except ValueError:
                 x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
@@ -500,7 +508,7 @@ class EntryTable:
     """
 
     __slots__ = ("_entries", "_shape", "_stale", "deltas", "ptrs", "first", "_scale_objs",
-                 "_scale_idx", "_factors", "_values", "_scales_c", "__weakref__")
+                 "_scale_idx", "_factors", "_values", "_scales_c", "_epoch", "__weakref__")
 
     def __init__(self, entries, what="bank entry"):
         self._entries = list(entries)
@@ -552,6 +560,7 @@ class EntryTable:
         self.ptrs = ffi.new("lora_delta *[]", [d._ptr for d in deltas])
         self.first = ffi.new("int64_t[]", first)
         self._values = None
+        self._epoch = None
         self._stale = False
 
     @property
@@ -565,12 +574,18 @@ class EntryTable:
         return len(self._entries)
 
     def scales(self):
-        """double[] of each delta's effective scale; each distinct LoraScale read once."""
+        """double[] of each delta's effective scale; each distinct LoraScale read once, and only
+        when some LoraScale was set since the last call (the array is never changed in place:
+        a call that runs meanwhile keeps the values it read)."""
+        epoch = _EPOCH[0]
+        if epoch == self._epoch:
+            return self._scales_c
         values = [s.value for s in self._scale_objs]
         if values != self._values:
             idx, factors = self._scale_idx, self._factors
             self._scales_c = ffi.new("double[]", [values[k] * f for k, f in zip(idx, factors)])
             self._values = values
+        self._epoch = epoch
         return self._scales_c
 
     def resident_bytes(self):

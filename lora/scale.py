@@ -8,6 +8,10 @@ __all__ = ["LoraScale"]
 # between float32's largest value, (2 - 2**-23) * 2**127, and 2**128); everything below is finite.
 _F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
 
+# Bumped by every set(): a stack or bank compares it with the value it saw at its last call, and
+# reads its scales again only when some LoraScale changed (a call then costs no per-scale work).
+epoch = [0]
+
 
 class LoraScale:
     """A mutable float shared by every delta of one adapter (llama.cpp's per-adapter user scale).
@@ -45,6 +49,7 @@ class LoraScale:
             raise ValueError(f"LoraScale value must be finite in float32 (|value| <= "
                              f"3.4028235e+38), got {v!r}")
         self._value = v
+        epoch[0] += 1
 
     value = property(get, set, doc="The current scale (float); setting it validates as `set`.")
 
