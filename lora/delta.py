@@ -29,6 +29,8 @@ _F64 = np.dtype(np.float64)
 _I64 = A.I64
 _DT_F32 = A.DT_F32
 _from_buffer = ffi.from_buffer
+_cast = ffi.cast
+_VOIDP = ffi.typeof("void *")
 _NULL = ffi.NULL
 _lora_add = lib.lora_add
 _lora_add_batch = lib.lora_add_batch
@@ -599,12 +601,25 @@ class EntryTable:
         if self._stale:
             self._rebuild()
         shape = self._shape
-        if (type(x) is _ndarray and type(out) is _ndarray and x.dtype is _F32
-                and out.dtype is _F32 and shape is not None and out.ndim == 2):
-            # the common case (float32 rows, int64 ids, float64 scales or none), without the
+        if (type(x) is _ndarray and type(out) is _ndarray
+                and (xc := _FAST.get(id(x.dtype))) is not None
+                and (oc := _FAST.get(id(out.dtype))) is not None
+                and shape is not None and out.ndim == 2):
+            # the common case (2-D rows, int64 ids, float64 scales or none), without the
             # general checks: C checks overlap, alignment, ids and scales before any write
-            fast = self._fast_batch(x, out, adapter_ids, scales, shape)
+            fast = self._fast_batch(x, xc, out, oc, adapter_ids, scales, shape)
             if fast is not None:
+                return out
+        elif (shape is not None and adapter_ids is None and type(out) is not _ndarray
+              and (fast := A.tensor_batch(x, out, shape[1], shape[0])) is not None):
+            # contiguous CPU tensors, every position on entry 0 (a stack, or PEFT's active
+            # adapters): straight to C, which checks overlap and alignment
+            xa, xc, oa, oc, n = fast
+            status = _lora_apply_batch(len(self._entries), self.first, self.ptrs, self.scales(),
+                                       _NULL, _NULL, 1, shape[0], shape[1], n, _cast(_VOIDP, xa),
+                                       xc, shape[1], _cast(_VOIDP, oa), oc, shape[0], _NULL) \
+                if n else 0
+            if status == 0:
                 return out
         if shape is None:  # no entry holds a delta: no rows/cols to check against
             return self._shapeless_batch(x, out, adapter_ids, scales)
@@ -620,7 +635,7 @@ class EntryTable:
                 self._raise(status, ids, pos, bad=bad)
         return out
 
-    def _fast_batch(self, x, out, adapter_ids, scales, shape):
+    def _fast_batch(self, x, xc, out, oc, adapter_ids, scales, shape):
         rows, cols = shape
         n = out.shape[0]
         if out.shape[1] != rows or x.shape != (n, cols):
@@ -647,8 +662,7 @@ class EntryTable:
             return out
         bad = ffi.new("int64_t *")
         status = _lora_apply_batch(len(self._entries), self.first, self.ptrs, self.scales(), idp,
-                                   posp, 1, rows, cols, n, xp, _DT_F32, cols, op, _DT_F32, rows,
-                                   bad)
+                                   posp, 1, rows, cols, n, xp, xc, cols, op, oc, rows, bad)
         if status == _ERR_ALIGN:
             return None
         if status:
