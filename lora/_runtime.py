@@ -57,7 +57,8 @@ def _user_stacklevel():
 
 
 def _apply_env_isa():
-    """LORA_ISA=scalar|avx2|avx512|neon can only lower the choice (SPEC.md, Threads/ISA)."""
+    """LORA_ISA=scalar|avx2|avx512|neon can only lower the choice; an unknown name or a path
+    this CPU or build cannot run warns (RuntimeWarning) and keeps the best path."""
     want = os.environ.get("LORA_ISA", "").strip().lower()
     if not want:
         return

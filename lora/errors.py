@@ -1,4 +1,4 @@
-"""Exception types of lora-kernels (SPEC.md, "Error types")."""
+"""Exception types of lora-kernels (which error is raised when: docs/api.md, "Errors")."""
 
 __all__ = ["LoraShapeError", "LoraFormatError"]
 
