@@ -5,8 +5,10 @@
     y = W @ x                                        # your base projection
     d.add_to(x, y)                                   # y += (alpha / rank) * B (A x)
 
-The README states the contract (shapes, scale rules, errors, guarantees); `python -m lora info`
-prints the kernel path this machine uses.
+Every public name's docstring gives its shapes, dtypes, errors and the upstream rule it follows;
+the repository's docs/ folder holds the whole contract (api.md, input-contract.md, guarantees.md,
+file-formats.md, serving.md, peft.md).  `python -m lora info` prints the kernel path this
+machine uses.
 """
 
 from ._runtime import __version__, get_num_threads, kernel_info, set_num_threads

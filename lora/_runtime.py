@@ -57,7 +57,8 @@ def _user_stacklevel():
 
 
 def _apply_env_isa():
-    """LORA_ISA=scalar|avx2|avx512|neon can only lower the choice (SPEC.md, Threads/ISA)."""
+    """LORA_ISA=scalar|avx2|avx512|neon can only lower the choice; an unknown name or a path
+    this CPU or build cannot run warns (RuntimeWarning) and keeps the best path."""
     want = os.environ.get("LORA_ISA", "").strip().lower()
     if not want:
         return
@@ -79,9 +80,11 @@ _apply_env_isa()
 def set_num_threads(n):
     """Cap the threads every kernel call may use, process-wide.
 
-    ``n`` must be an int >= 1 (``TypeError`` / ``ValueError`` otherwise).  The threads a call uses
-    are ``min(n, omp_get_max_threads())`` read at that call, passed as an OpenMP ``num_threads``
-    clause, so ``OMP_NUM_THREADS`` and ``threadpoolctl`` limits keep working.
+    ``n`` must be an int >= 1 (``TypeError`` / ``ValueError`` otherwise).  The threads a call may
+    use are ``min(n, omp_get_max_threads(), OMP_THREAD_LIMIT)`` read at that call, passed as an
+    OpenMP ``num_threads`` clause, so ``OMP_NUM_THREADS`` and ``threadpoolctl`` limits keep
+    working; the thread policy (`thread_policy`) decides per call whether to use more than one.
+    Results are bit-identical for every thread count.
     """
     if isinstance(n, bool) or not hasattr(n, "__index__"):
         raise TypeError(f"set_num_threads needs an int >= 1, got {type(n).__name__}")
@@ -92,7 +95,10 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """The threads a kernel call would use right now (1 in a build without OpenMP)."""
+    """The most threads a kernel call may use right now: ``min(set_num_threads cap,
+    omp_get_max_threads(), OMP_THREAD_LIMIT)``; 1 in a build without OpenMP and in a child
+    process after ``fork()``.  Small calls, and calls while the cores are contended, use one
+    (see `thread_policy`)."""
     return lib.lora_get_num_threads()
 
 

@@ -33,9 +33,16 @@ def accelerate_peft(model):
     serve and ``.skipped`` maps the others to the reason (as of the last forward; before any
     forward, as of this call); ``.refresh()`` forgets anything derived from the weights.
 
-    The LoRA term is computed in float32 from PEFT's tensors as they are stored and rounded once
-    into the layer's output dtype.  A model without any PEFT LoRA layer, or one already
-    accelerated, is a ``ValueError``.
+    A layer is served while autograd is not recording for it and dropout is inactive, and its
+    adapters are plain LoRA or aLoRA on CPU float32/float16/bfloat16 tensors; otherwise (training,
+    DoRA, ``lora_bias``, other variants and tuners) PEFT's own forward runs for the whole layer.
+    PEFT's API keeps its meaning: active adapters, ``adapter_names``, aLoRA offsets,
+    ``disable_adapter``, merges, ``scaling`` changes and weight changes are read at every call.
+
+    The LoRA term is computed in float32 from PEFT's tensors as they are stored (read in place, no
+    copies) and rounded once into the layer's output dtype.  ``TypeError`` for something that is
+    not a ``torch.nn.Module``; ``ValueError`` for a model without any PEFT LoRA ``Linear`` /
+    ``Embedding`` layer, or one already accelerated (``restore()`` it first).
     """
     return PeftAcceleration(model)
 
@@ -50,7 +57,9 @@ def _torch_dtypes():
 
 
 class PeftAcceleration:
-    """What ``accelerate_peft`` returns; see there."""
+    """What ``accelerate_peft`` returns: ``accelerated`` (list of module names), ``skipped``
+    (``{module name: reason}``), ``refresh()``, ``restore()``, and a context manager that
+    restores on exit.  Built only by ``accelerate_peft``."""
 
     def __init__(self, model):
         import torch

@@ -234,6 +234,7 @@ class _SetBank:
 
     @property
     def target(self):
+        """The base name this bank serves."""
         return self._target
 
     @property

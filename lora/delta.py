@@ -809,8 +809,10 @@ class LoraStack:
         """(rows, cols) shared by every delta; None for an empty stack."""
         return self._deltas[0].base_shape if self._deltas else None
 
-    rows = property(lambda self: self._deltas[0].rows if self._deltas else None)
-    cols = property(lambda self: self._deltas[0].cols if self._deltas else None)
+    rows = property(lambda self: self._deltas[0].rows if self._deltas else None,
+                    doc="n_out shared by every delta; None for an empty stack.")
+    cols = property(lambda self: self._deltas[0].cols if self._deltas else None,
+                    doc="n_in shared by every delta; None for an empty stack.")
 
     @property
     def resident_bytes(self):

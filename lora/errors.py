@@ -1,4 +1,4 @@
-"""Exception types of lora-kernels (SPEC.md, "Error types")."""
+"""Exception types of lora-kernels (which error is raised when: docs/api.md, "Errors")."""
 
 __all__ = ["LoraShapeError", "LoraFormatError"]
 
@@ -21,6 +21,8 @@ class LoraShapeError(ValueError):
 
     @classmethod
     def for_pair(cls, rows, cols, rank, a_len, b_len):
+        """The error for a pair of ``a_len`` / ``b_len`` values that does not fit a ``[rows x cols]``
+        base at ``rank``, in the fixed wording above."""
         msg = (
             f"LoRA pair does not fit a [{rows} x {cols}] base at rank {rank}: "
             f"lora_a has {a_len} values (want rank x cols = {rank * cols}), "
@@ -30,4 +32,6 @@ class LoraShapeError(ValueError):
 
 
 class LoraFormatError(ValueError):
-    """An adapter file that cannot be loaded: the message names the file and the tensor."""
+    """An adapter file that cannot be loaded (the message starts with the file's path and names
+    the tensor or config key), or a target name outside `LoraAdapter.renamed`'s map.  A
+    ``ValueError``."""

@@ -4,7 +4,7 @@
   ``lora._runtime.set_isa`` and restores the previous path afterwards.
 - ``dtype``: the three storage dtypes.
 - hypothesis profiles: "ci" (bounded examples, no deadline) when ``CI`` is set, "dev" otherwise.
-- The oracle (SPEC.md, "Accuracy"): ``||ours - ref||_2 <= 2 ||numpy32 - ref||_2 + 1e-9 ||ref||_2``
+- The oracle (the accuracy rule of docs/guarantees.md): ``||ours - ref||_2 <= 2 ||numpy32 - ref||_2 + 1e-9 ||ref||_2``
   with ``ref`` computed in float64 and ``numpy32`` NumPy's float32 ``out + s * (x @ A.T) @ B.T``,
   both on the weights *as stored* (``delta.lora_weights()``, i.e. after f16/bf16 rounding).
 """
@@ -159,7 +159,7 @@ def ref_rows(deltas, ids, out):
 
 
 def assert_accurate(ours, ref, np32, what=""):
-    """SPEC.md's accuracy rule."""
+    """The accuracy rule (docs/guarantees.md, "Accuracy")."""
     assert ours.dtype == np.float32
     assert np.all(np.isfinite(ours)), f"{what}: non-finite result"
     err = np.linalg.norm((ours.astype(np.float64) - ref).ravel())

@@ -1,4 +1,4 @@
-"""LoraBank (issue 6): every position's bits equal its entry applied alone, whatever the batch's
+"""LoraBank: every position's bits equal its entry applied alone, whatever the batch's
 composition, order, thread count or ISA; -1 and None mean "no adapter" and leave the row's bits
 alone; -1 never wraps to the last slot; the API surface."""
 

@@ -1,4 +1,4 @@
-"""SPEC.md "Input contract": every bad input gets the documented exception type, a message that
+"""The input contract (docs/input-contract.md): every bad input gets the documented exception type, a message that
 names the expected and the actual value, and leaves `out` (and `w`) exactly as it was — also when
 the effective scale is 0 ("Validation always runs")."""
 
@@ -200,7 +200,7 @@ def test_x_out_overlap(target):
         rejects(ValueError, ["overlap"], lambda: call(xs, out), buf)
         x64 = buf.view(np.float64)[: x.size].reshape(x.shape)  # a float64 view over out's bytes
         rejects(ValueError, ["overlap"], lambda: call(x64, out), buf)
-    # interleaved rows of one fused buffer: the address ranges intersect (SPEC: "Overlapping")
+    # interleaved rows of one fused buffer: the address ranges intersect, which is what "overlapping" means
     if "add_batch_to" in x_ops(kind, obj):
         call, x, shape = x_ops(kind, obj)["add_batch_to"]
         fused = rand(np.random.default_rng(8), (N, COLS + ROWS))
@@ -347,7 +347,7 @@ def test_empty_stack_add_row_to_validates_the_id():
 
 def test_bank_without_deltas_still_validates_x():
     """A bank whose every slot is None has no shape, but x must still be a real float array
-    (SPEC: "Validation always runs") and must not overlap out."""
+    (validation runs even when nothing would be written) and must not overlap out."""
     bank = lora.LoraBank([None, None])
     out = rand(np.random.default_rng(24), (2, ROWS))
     rejects(TypeError, ["int64"], lambda: bank.add_batch_to(np.zeros((2, COLS), np.int64), out,

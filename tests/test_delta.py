@@ -1,4 +1,4 @@
-"""Accuracy of every op against the float64 oracle (SPEC.md "Accuracy"), on every ISA path and
+"""Accuracy of every op against the float64 oracle (the accuracy rule, docs/guarantees.md), on every ISA path and
 storage dtype; size sweeps that straddle the register widths; row-strided views; accepted input
 conversions; the API surface of LoraDelta and LoraStack."""
 

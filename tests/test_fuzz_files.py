@@ -1,6 +1,6 @@
 """Fuzzing the adapter loaders: mutated PEFT safetensors and llama.cpp GGUF files.
 
-What must hold for every input (SPEC.md, "Input contract"; issue 7):
+What must hold for every input (the "bad files" rules of docs/file-formats.md):
 
 - the loader returns an adapter, or raises `lora.LoraFormatError` (a few other clean Python
   exceptions are tolerated by the fuzz loop and counted; the fixed corpus below insists on
@@ -791,7 +791,7 @@ def corpus(seed_dir, peft_seeds, gguf_seeds):
 
 
 def test_corpus_every_bad_file_is_a_lora_format_error(worker, corpus):
-    """Each hand-made bad file: LoraFormatError (SPEC: "Bad file"), bounded allocation."""
+    """Each hand-made bad file: LoraFormatError naming the file, bounded allocation."""
     failures = []
     for kind, name, path in corpus:
         res = worker.load(kind, path)

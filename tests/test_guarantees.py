@@ -1,4 +1,4 @@
-"""SPEC.md "Guarantees": determinism, thread-count invariance, batch invariance, stacks as their
+"""The guarantees (docs/guarantees.md): determinism, thread-count invariance, batch invariance, stacks as their
 deltas in order, the zero-scale skip, the scale rules, and the ISA choice (LORA_ISA)."""
 
 import math

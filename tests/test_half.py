@@ -1,4 +1,4 @@
-"""float16 / bfloat16 storage (issue 5, SPEC.md "Storage dtypes"): round-to-nearest-even on
+"""float16 / bfloat16 storage (the storage-dtype rules of docs/api.md): round-to-nearest-even on
 construction (no double rounding through float32), overflow refused, resident bytes halved,
 float32 compute (activations above 65504 stay finite), results equal to the float32 path on the
 same rounded weights within tolerance.  The per-dtype guarantees (determinism, threads, batch

@@ -1,8 +1,8 @@
 """Concurrency and fork stress: many Python threads, scale flips, thread-count flips, fork().
 
 The kernels release the GIL, so Python threads really run them at once, each opening its own
-OpenMP team above the work threshold.  What must hold (SPEC.md, "The scale is read once per call",
-"Deterministic and batch-invariant"):
+OpenMP team above the work threshold.  What must hold (docs/guarantees.md: the scale is read
+once per call; deterministic and batch-invariant):
 
 - every output equals a result computed serially with the old or with the new scale -- bit for
   bit, never a mix of the two within one call (a "torn" result);

@@ -1,4 +1,4 @@
-"""Threads (SPEC.md "Threads"; issue 2): set_num_threads caps, OMP_NUM_THREADS and threadpoolctl
+"""Threads (the thread policy of docs/guarantees.md): set_num_threads caps, OMP_NUM_THREADS and threadpoolctl
 limits are obeyed, the GIL is released while a kernel runs, concurrent Python threads get the
 same bits as serial calls, and a fork()ed child runs kernels instead of hanging."""
 
