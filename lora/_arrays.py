@@ -434,7 +434,15 @@ def per_id_shape(ids, lead, what):
 
 
 def as_scales(scales, what="scales"):
-    """Per-position scales: a real (not bool) array-like, as float64 C-contiguous."""
+    """Per-position scales: a real (not bool) array-like or CPU tensor, as float64 C-contiguous
+    (a float16/bfloat16 tensor is widened exactly)."""
+    if is_tensor(scales):
+        _check_tensor_place(scales, what)
+        torch = torch_module()
+        if scales.dtype == torch.bool or scales.dtype.is_complex:
+            raise TypeError(f"{what} must be real numbers (not bool); got dtype "
+                            f"{dtype_name(scales)}")
+        scales = scales.detach().to(torch.float64).numpy()
     arr = np.asarray(scales)
     if arr.dtype.kind == "b" or not (arr.dtype.kind in "iuf" or is_bf16(arr.dtype)):
         raise TypeError(f"{what} must be real numbers (not bool); got dtype {arr.dtype}")

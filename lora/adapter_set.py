@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import _arrays as A
+from .bank import need_ids
 from .delta import EntryTable, LoraDelta, LoraStack
 from .errors import LoraShapeError
 
@@ -244,6 +245,7 @@ class _SetBank:
 
     def add_batch_to(self, x, out, adapter_ids, scales=None):
         """As ``LoraBank.add_batch_to``, with the set's slot ids as adapter ids."""
+        need_ids(adapter_ids)
         snap = self._set._snap  # one instant of the set for the whole call
         if snap.has_free:
             _no_free_slot(snap, adapter_ids)
@@ -252,6 +254,7 @@ class _SetBank:
 
     def add_rows_to(self, ids, out, adapter_ids, scales=None):
         """As ``LoraBank.add_rows_to``, with the set's slot ids as adapter ids."""
+        need_ids(adapter_ids)
         snap = self._set._snap
         if snap.has_free:
             _no_free_slot(snap, adapter_ids)

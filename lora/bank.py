@@ -62,6 +62,7 @@ class LoraBank:
         shape or a scale that is not finite (also as a product), and IndexError for an id out of
         range; ``out`` is untouched on every error.
         """
+        need_ids(adapter_ids)
         return self._table.apply_batch(x, out, adapter_ids, scales)
 
     def add_rows_to(self, ids, out, adapter_ids, scales=None):
@@ -72,4 +73,13 @@ class LoraBank:
         ``adapter_ids`` / ``scales``: as ``add_batch_to``.  Every id is checked before anything
         is written.
         """
+        need_ids(adapter_ids)
         return self._table.apply_rows(ids, out, adapter_ids, scales)
+
+
+def need_ids(adapter_ids):
+    """A bank call names every position's adapter: None is a TypeError (``-1`` means "no
+    adapter"), never a silent "entry 0 everywhere"."""
+    if adapter_ids is None:
+        raise TypeError("adapter_ids must be integers, one per position (-1 = no adapter); got "
+                        "None")

@@ -194,3 +194,24 @@ def test_hot_swap_under_load(isa):
             t.join()
     assert not errors, errors[:3]
     assert calls[0] > 0
+
+
+def test_adapter_ids_are_required_and_torch_scales_of_any_float_dtype():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(6)
+    d = make_delta(rng, 4, 48, 40)
+    bank = lora.LoraBank([d])
+    s = lora.AdapterSet({"a": {Q: d}})
+    x, out = rand(rng, (2, 40)), rand(rng, (2, 48))
+    before = out.copy()
+    for b in (bank, s.bank(Q)):
+        with pytest.raises(TypeError, match="adapter_ids"):
+            b.add_batch_to(x, out, None)
+        with pytest.raises(TypeError, match="adapter_ids"):
+            b.add_rows_to([1, 2], np.zeros((2, 40), np.float32), None)
+    assert_same_bits(out, before)
+    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        got = bank.add_batch_to(x, out.copy(), [0, 0], torch.tensor([0.5, 2.0], dtype=dt))
+        assert_same_bits(got, bank.add_batch_to(x, out.copy(), [0, 0], [0.5, 2.0]))
+    with pytest.raises(TypeError, match="bool"):
+        bank.add_batch_to(x, out, [0, 0], torch.tensor([True, False]))
