@@ -32,7 +32,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
-CACHE="${LORA_NEON_CACHE:-$HOME/.cache/lora-neon}"
+CACHE="${LORA_NEON_CACHE:-${HOME:-/tmp}/.cache/lora-neon}"
 . "$ROOT/.ci/stage_lib.sh"
 stage_begin neon NEON_KEEP
 

@@ -61,7 +61,7 @@ esac
 log "fresh venv; PATH without a C compiler; CC=/bin/false"
 "$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
-noc=(env -i "HOME=$HOME" "PATH=$WORK/venv/bin" "CC=/bin/false" "CXX=/bin/false" "LANG=C.UTF-8"
+noc=(env -i "HOME=${HOME:-/tmp}" "PATH=$WORK/venv/bin" "CC=/bin/false" "CXX=/bin/false" "LANG=C.UTF-8"
      "TMPDIR=${TMPDIR:-/tmp}" "CI=1")
 # keep what reaching the package index may need (pip settings, proxies, CA bundles)
 while IFS= read -r kv; do noc+=("$kv"); done < <(env | grep -E '^(PIP_|https?_proxy=|HTTPS?_PROXY=|no_proxy=|NO_PROXY=|SSL_CERT_|REQUESTS_CA_BUNDLE=)' || true)
