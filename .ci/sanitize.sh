@@ -55,14 +55,7 @@ mkdir -p "$WORK/src" "$WORK/logs" "$WORK/out"
 copy_checkout
 
 # --- 2. Python with the test dependencies ----------------------------------------------------
-DEPS_IMPORT="import numpy, cffi, ml_dtypes, safetensors, gguf, pytest, hypothesis"
-if ! "$PY" -c "$DEPS_IMPORT" >/dev/null 2>&1; then
-    log "$PY lacks test dependencies; creating a throwaway venv"
-    "$PY" -m venv "$WORK/venv"
-    "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check \
-        numpy cffi ml_dtypes safetensors gguf pytest hypothesis threadpoolctl
-    PY="$WORK/venv/bin/python"
-fi
+python_with_test_deps
 
 
 # --- 3. the instrumented build ---------------------------------------------------------------

@@ -1,4 +1,5 @@
-# Shared by .ci/sanitize.sh and .ci/valgrind.sh (sourced; each sets ROOT, PY and WORK first).
+# Shared by the .ci/*.sh stages (sourced; sanitize.sh and valgrind.sh set ROOT, PY and WORK
+# first, the others set ROOT and PY and call stage_begin).
 
 # A clean copy of the checkout in $WORK/src (tracked + untracked-but-not-ignored files, no build
 # outputs), so the developer's in-place build is never replaced by an instrumented one.
@@ -30,4 +31,26 @@ with zipfile.ZipFile(whl) as z:
             fh.write(z.read(name))
 sys.exit(0 if mods else "no compiled lora/_lora_cffi module in " + whl)
 PYEOF
+}
+
+# Begin a stage script (the stages added after sanitize/valgrind use this): $1 the stage's
+# name, $2 the variable that keeps its work directory when set to 1 (e.g. NEON_KEEP).  Sets WORK
+# to a fresh temporary directory, removed on exit unless kept, and defines log and fail.
+stage_begin() {
+    STAGE_NAME="$1" STAGE_KEEP="$2" STAGE_START=$SECONDS
+    WORK="$(mktemp -d "${TMPDIR:-/tmp}/lora-$1.XXXXXX")"
+    trap 'if [ "${!STAGE_KEEP:-0}" = 1 ]; then echo "kept $WORK"; else rm -rf "$WORK"; fi' EXIT
+    log() { printf '[%s %4ds] %s\n' "$STAGE_NAME" "$((SECONDS - STAGE_START))" "$*"; }
+    fail() { log "FAIL: $*"; exit 1; }
+}
+
+# Set PY to a Python that has the test dependencies: $PY itself, or a throwaway venv in $WORK.
+python_with_test_deps() {
+    if ! "$PY" -c "import numpy, cffi, ml_dtypes, safetensors, gguf, pytest, hypothesis" >/dev/null 2>&1; then
+        log "$PY lacks test dependencies; creating a throwaway venv"
+        "$PY" -m venv "$WORK/venv"
+        "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check \
+            numpy cffi ml_dtypes safetensors gguf pytest hypothesis threadpoolctl
+        PY="$WORK/venv/bin/python"
+    fi
 }

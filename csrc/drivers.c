@@ -50,8 +50,10 @@
 #define LORA_STACK_BATCH 256
 #define LORA_STACK_PLAN (3 * (LORA_STACK_BATCH + 16) + 2) /* int64s: up to 16 entries */
 
-/* the largest double whose float32 rounding is finite: FLT_MAX + half an ulp */
-#define LORA_F32_LIMIT 0x1.ffffffp+127
+/* the largest double whose float32 rounding is finite: FLT_MAX + half an ulp,
+ * 0x1.ffffffp+127, written in decimal (exact: (2^25 - 1) * 2^103) because
+ * MSVC's C compiler does not take hexadecimal float literals in every mode */
+#define LORA_F32_LIMIT 340282356779733661637539395458142568448.0
 
 static int finite_f32_(double v) { return fabs(v) < LORA_F32_LIMIT; } /* false for nan */
 

@@ -59,10 +59,15 @@
 
 #include "lora.h"
 
-/* the x86 SIMD paths need GCC/Clang target attributes and <cpuid.h>;
- * everything else (aarch64, MSVC) builds the portable path only */
+/* the x86 SIMD paths need GCC/Clang target attributes and <cpuid.h>; the
+ * NEON path needs aarch64 (AdvSIMD is baseline there: no run-time check) and
+ * GCC/Clang (__fp16, always_inline); everything else (MSVC, 32-bit ARM,
+ * other CPUs) builds the portable path only */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define LORA_HAVE_X86 1
+#endif
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define LORA_HAVE_NEON 1
 #endif
 
 #define LORA_NB 4          /* positions per kernel call (8 measured slower) */

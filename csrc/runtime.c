@@ -4,8 +4,9 @@
  * may use, the fork handler, and build facts for kernel_info().
  *
  * The path is a pointer to one ISA file's kernel table, set once at load
- * from the CPU's feature bits (__builtin_cpu_supports, cpuid for F16C) and
- * lowered on request; it can never be raised above what the CPU supports.
+ * from the CPU's feature bits (__builtin_cpu_supports, cpuid for F16C; on
+ * aarch64 NEON is baseline and always chosen) and lowered on request; it can
+ * never be raised above what the CPU supports.
  */
 #include "internal.h"
 

@@ -1,0 +1,282 @@
+/*
+ * kernels_neon.c - the NEON (AdvSIMD) path for aarch64 (every ARMv8-A CPU:
+ * Cortex-A53 .. X4, Neoverse N1/V1/V2, Apple M1 and later, Graviton).
+ *
+ * Required features: AdvSIMD and its FP16 conversions, both baseline on
+ * aarch64, so nothing is checked at run time and no target pragma is needed
+ * (runtime.c makes this the best path whenever the file is compiled in).
+ * Instructions: fmla (vfmaq_f32) on 4-lane float32x4 registers; float16
+ * storage and activations are widened with fcvtl (vcvt_f32_f16, exact),
+ * bfloat16 with ushll #16 (vshll_n_u16: a bfloat16 is the top half of a
+ * float32, so the shift is exact); a float16 out is narrowed with fcvtn
+ * (vcvt_f16_f32: round to nearest even under the default FPCR, subnormals
+ * kept, overflow to inf, a NaN quieted with its top payload bits: the same
+ * bits as lora_f32_to_f16), a bfloat16 out with the integer
+ * round-to-nearest-even of lora_f32_to_bf16 (BFCVTN is ARMv8.6, not
+ * baseline).
+ *
+ * Summation order (one per output element, shared by decode, batch, stack
+ * and bank, and by every dtype of x and out: x is widened exactly in
+ * registers, a half-precision out is widened into a float32 strip before the
+ * first term and rounded to nearest even once after the last):
+ *   project     t[k] = hsum8(lanes) + tail, where lane l (0..7) = fma-chain
+ *               from 0 over j = l (mod 8), ascending, for j < cols rounded
+ *               down to 8 (two float32x4 registers: lanes 0-3 and 4-7);
+ *               hsum8 = ((l0+l4)+(l1+l5)) + ((l2+l6)+(l3+l7)) (the two
+ *               registers added, then two explicit pairwise adds, faddp);
+ *               tail = fma-chain from 0 over the last cols mod 8 values,
+ *               ascending.
+ *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
+ *               fma-chain from 0 over k in [16m, 16m+16) ascending of
+ *               M[k,i]*u[k] (LORA_KBLOCK), then out[i] = fma(total, s,
+ *               out[i]) (one rounding), term by term in stack order; vector
+ *               lanes and the scalar tail (fmaf, a single fmadd on aarch64)
+ *               give the same bits.
+ * Tail strategy: a short scalar tail (cols mod 8 in project, the last
+ * rows mod 4 outputs in accumulate), as in the AVX2 file: fmaf keeps each
+ * lane's fma-chain, so a value's bits do not depend on whether it fell in a
+ * vector or in the tail of some strip.
+ * Accumulators: project keeps 4 ranks x 2 positions x 2 registers = 16
+ * independent fma chains (FMA latency 4 x up to 4 FMA pipes on Neoverse
+ * V1/V2 = 16 in flight; 2-pipe cores are saturated with room to spare) plus
+ * 4 x and 2 A registers = 22 of the 32 vector registers; accumulate keeps 4
+ * row vectors x 2 positions = 8 block chains (latency 4 x 2 pipes) plus
+ * their 8 running totals, 4 M and 2 u registers = 22 of 32.
+ */
+#include "kernels.h"
+
+#if defined(LORA_HAVE_NEON)
+#include <arm_neon.h>
+#include <math.h>
+
+#define INLINE_ static inline __attribute__((always_inline))
+
+/* 4 values of a dtype array from element i, as float32 (exact) */
+INLINE_ float32x4_t load_f32x4_(const void *p, int64_t i, const int dt) {
+    if (dt == LORA_DTYPE_F32) return vld1q_f32((const float *)p + i);
+    const uint16x4_t h = vld1_u16((const uint16_t *)p + i);
+    if (dt == LORA_DTYPE_F16) return vcvt_f32_f16(vreinterpret_f16_u16(h));
+    return vreinterpretq_f32_u32(vshll_n_u16(h, 16));
+}
+
+INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
+    if (dt == LORA_DTYPE_F32) return ((const float *)p)[i];
+    if (dt == LORA_DTYPE_F16) return (float)((const __fp16 *)p)[i];  /* fcvt, exact */
+    return lora_bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+/* ((lo0+hi0)+(lo1+hi1)) + ((lo2+hi2)+(lo3+hi3)), written out with faddp so
+ * the tree does not depend on how a compiler lowers vaddvq_f32 */
+INLINE_ float hsum_f32x4x2_(float32x4_t lo, float32x4_t hi) {
+    const float32x4_t s = vaddq_f32(lo, hi);
+    const float32x4_t p = vpaddq_f32(s, s);  /* [s0+s1, s2+s3, s0+s1, s2+s3] */
+    return vpadds_f32(vget_low_f32(p));     /* (s0+s1) + (s2+s3) */
+}
+
+/* nr ranks (k .. k+nr) x nb positions; nr in {1, 4}, nb in {1, 2} */
+INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
+                           const int nb, const void *const *xs, float *t, int64_t ldt,
+                           const int dt, const int xt) {
+    float32x4_t acc_f32x4[4][2][2];
+    for (int r = 0; r < nr; r++)
+        for (int b = 0; b < nb; b++) acc_f32x4[r][b][0] = acc_f32x4[r][b][1] = vdupq_n_f32(0.0f);
+    const int64_t body = cols & ~(int64_t)7;
+    for (int64_t j = 0; j < body; j += 8) {
+        float32x4_t x_f32x4[2][2];
+        for (int b = 0; b < nb; b++) {
+            x_f32x4[b][0] = load_f32x4_(xs[b], j, xt);
+            x_f32x4[b][1] = load_f32x4_(xs[b], j + 4, xt);
+        }
+        for (int r = 0; r < nr; r++) {
+            const float32x4_t a0_f32x4 = load_f32x4_(a, (k + r) * lda + j, dt);
+            const float32x4_t a1_f32x4 = load_f32x4_(a, (k + r) * lda + j + 4, dt);
+            for (int b = 0; b < nb; b++) {
+                acc_f32x4[r][b][0] = vfmaq_f32(acc_f32x4[r][b][0], a0_f32x4, x_f32x4[b][0]);
+                acc_f32x4[r][b][1] = vfmaq_f32(acc_f32x4[r][b][1], a1_f32x4, x_f32x4[b][1]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int b = 0; b < nb; b++) {
+            float tail = 0.0f;
+            for (int64_t j = body; j < cols; j++)
+                tail = fmaf(load_f32_(a, (k + r) * lda + j, dt), load_f32_(xs[b], j, xt), tail);
+            t[b * ldt + k + r] = hsum_f32x4x2_(acc_f32x4[r][b][0], acc_f32x4[r][b][1]) + tail;
+        }
+    }
+}
+
+INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                      int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
+                      const int xt) {
+    for (int b = 0; b < nb; b += 2) {
+        const void *const *xb = xs + b;
+        float *tb = t + b * ldt;
+        int64_t k = k0;
+        if (nb - b >= 2) {
+            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 2, xb, tb, ldt, dt, xt);
+            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 2, xb, tb, ldt, dt, xt);
+        } else {
+            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 1, xb, tb, ldt, dt, xt);
+            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 1, xb, tb, ldt, dt, xt);
+        }
+    }
+}
+
+/* outputs i .. i + 4*nv of nb positions; nv in {1, 4}, nb in {1, 2} */
+INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+                        const int nb, const float *u, int64_t ldu, const float *scale,
+                        float *const *outs, int64_t obase, const int dt) {
+    float32x4_t total_f32x4[4][2], block_f32x4[4][2];
+    for (int v = 0; v < nv; v++)  /* kdim >= 1 overwrites these; zeroed for the compiler's sake */
+        for (int b = 0; b < nb; b++) total_f32x4[v][b] = vdupq_n_f32(0.0f);
+    for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+        const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
+        for (int v = 0; v < nv; v++)
+            for (int b = 0; b < nb; b++) block_f32x4[v][b] = vdupq_n_f32(0.0f);
+        for (int64_t k = k0; k < k1; k++) {
+            float32x4_t m_f32x4[4];
+            for (int v = 0; v < nv; v++) m_f32x4[v] = load_f32x4_(m, k * ldm + i + 4 * v, dt);
+            for (int b = 0; b < nb; b++) {
+                const float32x4_t u_f32x4 = vdupq_n_f32(u[b * ldu + k]);
+                for (int v = 0; v < nv; v++)
+                    block_f32x4[v][b] = vfmaq_f32(block_f32x4[v][b], m_f32x4[v], u_f32x4);
+            }
+        }
+        for (int v = 0; v < nv; v++)
+            for (int b = 0; b < nb; b++)
+                total_f32x4[v][b] = k0 == 0 ? block_f32x4[v][b]
+                                            : vaddq_f32(total_f32x4[v][b], block_f32x4[v][b]);
+    }
+    for (int b = 0; b < nb; b++) {
+        if (scale[b] == 0.0f) continue;
+        const float32x4_t s_f32x4 = vdupq_n_f32(scale[b]);
+        for (int v = 0; v < nv; v++) {
+            float *o = outs[b] + (i - obase) + 4 * v;
+            vst1q_f32(o, vfmaq_f32(vld1q_f32(o), total_f32x4[v][b], s_f32x4));
+        }
+    }
+}
+
+/* one term over outputs [i0, i1) of nb positions; output i lives at
+ * outs[b][i - obase] */
+INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                      const int nb, const float *u, int64_t ldu, const float *scale,
+                      float *const *outs, int64_t obase, const int dt) {
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) term_tile_(m, ldm, kdim, i, 4, nb, u, ldu, scale, outs, obase, dt);
+    for (; i + 4 <= i1; i += 4) term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, dt);
+    for (; i < i1; i++) {  /* the same blocked chains, one lane at a time */
+        for (int b = 0; b < nb; b++) {
+            if (scale[b] == 0.0f) continue;
+            float total = 0.0f;
+            for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+                const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
+                float block = 0.0f;
+                for (int64_t k = k0; k < k1; k++)
+                    block = fmaf(load_f32_(m, k * ldm + i, dt), u[b * ldu + k], block);
+                total = k0 == 0 ? block : total + block;
+            }
+            outs[b][i - obase] = fmaf(total, scale[b], outs[b][i - obase]);
+        }
+    }
+}
+
+INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
+                   int64_t obase, const int dt) {
+    /* positions in pairs; a constant pair size keeps every accumulator in a register */
+    for (int b = 0; b < nb; b += 2) {
+        if (nb - b >= 2)
+            term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 2, tm->u + b * tm->ldu, tm->ldu,
+                     tm->scale + b, outs + b, obase, dt);
+        else
+            term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 1, tm->u + b * tm->ldu, tm->ldu,
+                     tm->scale + b, outs + b, obase, dt);
+    }
+}
+
+INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
+                    float *const *outs, int64_t obase) {
+    for (int q = 0; q < n_terms; q++) {
+        switch (terms[q].dtype) {
+        case LORA_DTYPE_F32: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
+        case LORA_DTYPE_F16: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
+        default: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
+        }
+    }
+}
+
+INLINE_ void widen_(const void *src, int64_t n, float *dst, const int dt) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, load_f32x4_(src, i, dt));
+    for (; i < n; i++) dst[i] = load_f32_(src, i, dt);
+}
+
+/* dst[i] = src[i] rounded to nearest even into ot (float16 or bfloat16),
+ * bit-identical to lora_store_f32 (the scalar tail) */
+INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
+    uint16_t *d = (uint16_t *)dst;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t v = vld1q_f32(src + i);
+        uint16x4_t h;
+        if (ot == LORA_DTYPE_F16) {
+            h = vreinterpret_u16_f16(vcvt_f16_f32(v));
+        } else {
+            const uint32x4_t u = vreinterpretq_u32_f32(v);
+            const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+            const uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
+            const uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)),
+                                             vdupq_n_u32(0x7f800000));
+            const uint32x4_t quiet = vorrq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x40));
+            h = vmovn_u32(vbslq_u32(nan, quiet, r));
+        }
+        vst1_u16(d + i, h);
+    }
+    for (; i < n; i++) lora_store_f32(dst, i, src[i], ot);
+}
+
+INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
+                         void *const *outs, const int ot) {
+    if (ot == LORA_DTYPE_F32) {
+        /* a strip of outputs stays in L1 while every term adds into it */
+        for (int64_t i = i0; i < i1; i += LORA_STRIP)
+            terms_(terms, n_terms, i, i + LORA_STRIP < i1 ? i + LORA_STRIP : i1, nb,
+                   (float *const *)outs, 0);
+        return;
+    }
+    int touched[LORA_NB] = {0};
+    for (int q = 0; q < n_terms; q++)
+        for (int b = 0; b < nb; b++) touched[b] |= terms[q].scale[b] != 0.0f;
+    float strip[LORA_NB][LORA_STRIP];
+    for (int64_t i = i0; i < i1; i += LORA_STRIP) {
+        const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
+        float *so[LORA_NB];
+        for (int b = 0; b < nb; b++) {
+            so[b] = strip[b];  /* output i at strip[b][i - i_strip] */
+            if (touched[b]) widen_((const uint16_t *)outs[b] + i, n, strip[b], ot);
+        }
+        terms_(terms, n_terms, i, i + n, nb, so, i);
+        for (int b = 0; b < nb; b++)
+            if (touched[b]) narrow_(strip[b], n, (uint16_t *)outs[b] + i, ot);
+    }
+}
+
+/* 4 independent adds in flight: enough to keep two load pipes busy from L1 */
+INLINE_ double read_(const float *buf, int64_t n) {
+    float32x4_t s0 = vdupq_n_f32(0.0f), s1 = s0, s2 = s0, s3 = s0;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        s0 = vaddq_f32(s0, vld1q_f32(buf + j));
+        s1 = vaddq_f32(s1, vld1q_f32(buf + j + 4));
+        s2 = vaddq_f32(s2, vld1q_f32(buf + j + 8));
+        s3 = vaddq_f32(s3, vld1q_f32(buf + j + 12));
+    }
+    double s = hsum_f32x4x2_(vaddq_f32(s0, s1), vaddq_f32(s2, s3));
+    for (; j < n; j++) s += buf[j];
+    return s;
+}
+
+LORA_KERNEL_TABLE(neon)
+
+#endif /* LORA_HAVE_NEON */
