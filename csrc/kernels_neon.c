@@ -32,6 +32,9 @@
  *               out[i]) (one rounding), term by term in stack order; vector
  *               lanes and the scalar tail (fmaf, a single fmadd on aarch64)
  *               give the same bits.
+ *   by_row      (a term held by output, a caller's lora_B [out, r]) out[i] =
+ *               fma(hsum8(lanes) + tail, s, out[i]), lanes and tail as in
+ *               project over k.
  * Tail strategy: a short scalar tail (cols mod 8 in project, the last
  * rows mod 4 outputs in accumulate), as in the AVX2 file: fmaf keeps each
  * lane's fma-chain, so a value's bits do not depend on whether it fell in a
@@ -195,9 +198,43 @@ INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *c
     }
 }
 
+/* A term held by output (by_row): out[i] += s * dot(M^T[i, :], u) for i in [i0, i1); each
+ * row's dot product is the project order (lanes k mod 8 in two float32x4 chains, hsum8, then
+ * the scalar tail), so a row's bits never depend on its neighbours or its thread. */
+INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
+                        int64_t obase, const int dt) {
+    const int64_t kdim = tm->kdim, ldm = tm->ldm, body = kdim & ~(int64_t)7;
+    for (int b = 0; b < nb; b++) {
+        const float s = tm->scale[b];
+        if (s == 0.0f) continue;
+        const float *u = tm->u + b * tm->ldu;
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t row = i * ldm;
+            float32x4_t lo_f32x4 = vdupq_n_f32(0.0f), hi_f32x4 = vdupq_n_f32(0.0f);
+            for (int64_t k = 0; k < body; k += 8) {
+                lo_f32x4 = vfmaq_f32(lo_f32x4, load_f32x4_(tm->m, row + k, dt), vld1q_f32(u + k));
+                hi_f32x4 = vfmaq_f32(hi_f32x4, load_f32x4_(tm->m, row + k + 4, dt),
+                                     vld1q_f32(u + k + 4));
+            }
+            float tail = 0.0f;
+            for (int64_t k = body; k < kdim; k++) tail = fmaf(load_f32_(tm->m, row + k, dt), u[k], tail);
+            float *o = outs[b] + (i - obase);
+            *o = fmaf(hsum_f32x4x2_(lo_f32x4, hi_f32x4) + tail, s, *o);
+        }
+    }
+}
+
 INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
                     float *const *outs, int64_t obase) {
     for (int q = 0; q < n_terms; q++) {
+        if (terms[q].by_row) {
+            switch (terms[q].dtype) {
+            case LORA_DTYPE_F32: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
+            case LORA_DTYPE_F16: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
+            default: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
+            }
+            continue;
+        }
         switch (terms[q].dtype) {
         case LORA_DTYPE_F32: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
         case LORA_DTYPE_F16: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
