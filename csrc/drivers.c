@@ -433,6 +433,34 @@ static int plan_call_(plan_ *p, int64_t n_entries, const int64_t *first,
     return LORA_OK;
 }
 
+/* The ids and scales are read while out is written: one that shares bytes with out (a view
+ * of out's own memory) would change under the kernels, and a token id read after a write could
+ * point anywhere.  Such an input is copied first; *p then points at the copy in *own, which
+ * the caller frees.  (Never the case for well-formed calls: no cost then.) */
+static int private_copy_(const void *out, int64_t out_bytes, const void **p, int64_t bytes,
+                         void **own) {
+    *own = NULL;
+    if (!*p || bytes <= 0 || out_bytes <= 0 || !ranges_overlap_(*p, bytes, out, out_bytes))
+        return LORA_OK;
+    *own = malloc((size_t)bytes);
+    if (!*own) return LORA_ERR_NOMEM;
+    memcpy(*own, *p, (size_t)bytes);
+    *p = *own;
+    return LORA_OK;
+}
+
+/* private copies of entry_ids, pos_scales (and the gather's token ids) that alias out */
+static int unalias_(const void *out, int64_t out_bytes, int64_t n, int64_t every,
+                    const int64_t **entry_ids, const double **pos_scales, const int64_t **ids,
+                    void *own[3]) {
+    const int64_t n_ids = every > 0 ? (n + every - 1) / every : 0;
+    int st = private_copy_(out, out_bytes, (const void **)entry_ids, n_ids * 8, &own[0]);
+    if (st == LORA_OK)
+        st = private_copy_(out, out_bytes, (const void **)pos_scales, n_ids * 8, &own[1]);
+    if (st == LORA_OK && ids) st = private_copy_(out, out_bytes, (const void **)ids, n * 8, &own[2]);
+    return st;
+}
+
 int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
                      const double *scales, const int64_t *entry_ids, const double *pos_scales,
                      int64_t ids_every, int64_t rows, int64_t cols, int64_t batch,
@@ -449,9 +477,13 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
         return LORA_ERR_ALIGN;
     for (int64_t q = 0; n_entries > 0 && q < first[n_entries]; q++)
         if (deltas[q] && deltas[q]->a_by_row) return LORA_ERR_ARG; /* a gather-only view */
+    void *own[3] = {NULL, NULL, NULL};
     plan_ p;
-    int64_t stack_buf[LORA_STACK_PLAN], *heap_buf;
-    int st = plan_call_(&p, n_entries, first, deltas, scales, entry_ids, pos_scales, ids_every,
+    int64_t stack_buf[LORA_STACK_PLAN], *heap_buf = NULL;
+    int st = unalias_(out, batch > 0 ? (int64_t)(((batch - 1) * ldo + rows) * osz) : 0, batch,
+                      ids_every, &entry_ids, &pos_scales, NULL, own);
+    if (st == LORA_OK)
+        st = plan_call_(&p, n_entries, first, deltas, scales, entry_ids, pos_scales, ids_every,
                         rows, cols, batch, out, out_dtype, ldo, bad, stack_buf, &heap_buf);
     if (st == LORA_OK) {
         p.x = (const char *)x, p.x_dtype = x_dtype, p.ldx = ldx;
@@ -466,6 +498,7 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
         free(use);
     }
     free(heap_buf);
+    for (int k = 0; k < 3; k++) free(own[k]);
     return st;
 }
 
@@ -478,9 +511,13 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
     if ((uintptr_t)out % lora_dtype_size(out_dtype) || (uintptr_t)ids % sizeof(int64_t) ||
         (uintptr_t)entry_ids % sizeof(int64_t) || (uintptr_t)pos_scales % sizeof(double))
         return LORA_ERR_ALIGN;
+    void *own[3] = {NULL, NULL, NULL};
     plan_ p;
-    int64_t stack_buf[LORA_STACK_PLAN], *heap_buf;
-    int st = plan_call_(&p, n_entries, first, deltas, scales, entry_ids, pos_scales, ids_every,
+    int64_t stack_buf[LORA_STACK_PLAN], *heap_buf = NULL;
+    int st = unalias_(out, n > 0 ? (int64_t)(((n - 1) * ldo + cols) * lora_dtype_size(out_dtype)) : 0,
+                      n, ids_every, &entry_ids, &pos_scales, &ids, own);
+    if (st == LORA_OK)
+        st = plan_call_(&p, n_entries, first, deltas, scales, entry_ids, pos_scales, ids_every,
                         rows, cols, n, out, out_dtype, ldo, bad, stack_buf, &heap_buf);
     if (st == LORA_OK) {
         for (int64_t i = 0; i < n; i++) {
@@ -496,6 +533,7 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
         st = run_plan_(&p, 1);
     }
     free(heap_buf);
+    for (int k = 0; k < 3; k++) free(own[k]);
     return st;
 }
 

@@ -85,6 +85,7 @@ def tensor_vec(x, out, xshape, oshape):
                 or x.shape != xshape or out.shape != oshape
                 or not (x.is_contiguous() and out.is_contiguous())):
             return None
+        note_write(out)
         return x.data_ptr(), xc, out.data_ptr(), oc
     except (AttributeError, RuntimeError, TypeError):
         return None
@@ -110,9 +111,20 @@ def tensor_batch(x, out, cols, rows):
             n = out.numel() // rows
         if not (x.is_contiguous() and out.is_contiguous()):
             return None
+        note_write(out)
         return x.data_ptr(), xc, out.data_ptr(), oc, n
     except (AttributeError, RuntimeError, TypeError, IndexError):
         return None
+
+
+def note_write(t):
+    """Tell autograd that tensor `t` is about to be written in place (its version counter), as
+    torch's own in-place ops do, so a backward that saved `t` raises instead of silently using
+    the new values.  Done when grad mode is on; under torch.no_grad() / inference_mode() the
+    write is like a ``.data`` write, which autograd does not track either."""
+    torch = torch_module()
+    if torch.is_grad_enabled():
+        torch.autograd.graph.increment_version(t)
 
 
 def _torch_codes():
@@ -268,6 +280,7 @@ def check_out(out, shape, what="out", shown=None, *, batched=False):
                              f"by autograd; pass a tensor that does not require grad (e.g. under "
                              f"torch.no_grad(), or .detach())")
         ptr, strides, size = out.data_ptr(), tuple(out.stride()), out.element_size()
+        note_write(out)
     else:
         if not out.flags.writeable:
             raise ValueError(f"{what} is read-only; it must be a writeable array")

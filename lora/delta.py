@@ -429,6 +429,10 @@ def _w_array(w, rows, cols):
     """A NumPy view of `w` (never a copy) with its dtype code, after the merge-target checks."""
     if A.is_tensor(w):
         A._check_tensor_place(w, "w")
+        if w.requires_grad and not w.is_leaf:
+            raise ValueError("w is a non-leaf tensor that requires grad: a merge writes it in "
+                             "place, outside autograd; merge into the weight itself (a leaf such "
+                             "as an nn.Parameter)")
         code = A.torch_code(w)
         if code is None:
             raise TypeError(f"w must have dtype float32, float16 or bfloat16 (it is updated in "
@@ -493,6 +497,8 @@ def merge_(w, terms, rows, cols):
             raise ValueError(f"merging into w overflows its dtype; w is left untouched: {exc}") \
                 from None
     arr[...] = result
+    if A.is_tensor(w):  # an in-place update, as torch's own ops record it
+        A.torch_module().autograd.graph.increment_version(w)
     return w
 
 

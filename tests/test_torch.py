@@ -175,3 +175,55 @@ def test_import_lora_does_not_import_torch():
     res = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True,
                          env=subprocess_env(), timeout=120)
     assert res.stdout.strip() == "False", res.stderr
+
+
+def test_in_place_writes_are_seen_by_autograd():
+    """Under grad mode a write into `out` bumps its version counter, as torch's in-place ops do:
+    a backward that saved `out` raises instead of using the new values silently."""
+    d = lora.LoraDelta(np.ones((2, 16), np.float32), np.ones((8, 2), np.float32))
+    for call in (lambda o: d.add_to(torch.ones(16), o),
+                 lambda o: d.add_batch_to(torch.ones(1, 16), o.view(1, 8)),
+                 lambda o: lora.LoraStack([d]).add_to(torch.ones(16), o)):
+        out = torch.zeros(8)
+        w = torch.ones(8, requires_grad=True)
+        loss = (out * w).sum()  # saves out for backward
+        call(out)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    # merges: a Parameter's version moves; a non-leaf that requires grad is refused
+    p = torch.nn.Parameter(torch.ones(8, 16))
+    v = p._version
+    d.merge_into(p)
+    assert p._version > v
+    y = p * 1
+    with pytest.raises(ValueError, match="non-leaf"):
+        d.merge_into(y)
+
+
+def test_ids_and_scales_inside_out_are_read_before_any_write(isa):
+    """Token ids, adapter ids or scales that are views of out's own memory are copied first:
+    the result is the one their copies give (never a crash, never ids read after a write)."""
+    rng = np.random.default_rng(9)
+    d = lora.LoraDelta(rng.standard_normal((8, 48)), rng.standard_normal((1000, 8)))
+    for n in (8, 100):
+        for make in (np.zeros, lambda shape, dt: torch.zeros(shape, dtype=torch.float32)):
+            out = make((n, 48), np.float32)
+            flat = out.reshape(-1)
+            ids = flat[:2 * n].view(np.int64) if isinstance(out, np.ndarray) else \
+                flat[:2 * n].view(torch.int64)
+            ids[:] = torch.as_tensor(rng.integers(0, 1000, n)) if isinstance(out, torch.Tensor) \
+                else rng.integers(0, 1000, n)
+            want = d.add_rows_to(np.array(ids).copy(), np.array(out).copy())
+            got = d.add_rows_to(ids, out)
+            assert np.asarray(got).tobytes() == want.tobytes()  # bits: out may hold NaNs
+    dd = lora.LoraDelta(rng.standard_normal((8, 48)), rng.standard_normal((48, 8)))
+    bank = lora.LoraBank([dd, None, dd])
+    x = rng.standard_normal((100, 48)).astype(np.float32)
+    out = np.zeros((100, 48), np.float32)
+    sc = out.reshape(-1)[:200].view(np.float64)
+    sc[:] = 0.5
+    aid = out.reshape(-1)[200:400].view(np.int64)
+    aid[:] = rng.integers(-1, 3, 100)
+    want = bank.add_batch_to(x, out.copy(), aid.copy(), sc.copy())
+    assert bank.add_batch_to(x, out, aid, sc).tobytes() == want.tobytes()
+
