@@ -11,6 +11,7 @@ PEFT reads them.
 torch and peft are imported here, on first use; ``import lora`` imports neither.
 """
 
+import types
 import weakref
 
 import numpy as np
@@ -21,7 +22,59 @@ from .scale import LoraScale
 __all__ = ["accelerate_peft", "PeftAcceleration"]
 
 _DTYPES = None  # {torch dtype: storage name}
-_MARK = "_lora_kernels_acceleration"  # the model attribute that says it is accelerated
+_F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103  # doubles from here on round to inf in float32
+_ACCELERATED = weakref.WeakKeyDictionary()  # model -> its PeftAcceleration while active
+_LAYERS = weakref.WeakKeyDictionary()  # PEFT layer module -> its _Layer while accelerated
+
+
+class _Forward:
+    """A PEFT layer's `forward` while it is accelerated: the layer's own _Layer when it has one,
+    else PEFT's forward.  A copy of the model (``copy.deepcopy``, pickling, ``torch.save``) gets
+    PEFT's own forward back: the acceleration belongs to the model it was made for."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        layer = _LAYERS.get(self.module)
+        if layer is None:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return layer.forward(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_peft_forward, (self.module,))
+
+
+def _peft_forward(module):
+    return types.MethodType(type(module).forward, module)
+
+
+class _Rescan:
+    """The pre-forward hook that patches LoRA layers added after accelerate_peft; copies of the
+    model get a hook that does nothing."""
+
+    __slots__ = ("acc",)
+
+    def __init__(self, acc):
+        self.acc = weakref.ref(acc)
+
+    def __call__(self, module, args):
+        acc = self.acc()
+        if acc is not None:
+            acc._rescan_hook(module, args)
+
+    def __reduce__(self):
+        return (_no_rescan, ())
+
+
+def _no_rescan():
+    return _noop_hook
+
+
+def _noop_hook(module, args):
+    return None
 
 
 def accelerate_peft(model):
@@ -78,8 +131,8 @@ class PeftAcceleration:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"accelerate_peft needs a torch.nn.Module (a peft.PeftModel); got "
                             f"{type(model).__name__}")
-        current = getattr(model, _MARK, None)
-        if current is not None and current() is not None and current()._active:
+        current = _ACCELERATED.get(model)
+        if current is not None and current._active:
             raise ValueError("this model is already accelerated by lora-kernels; call restore() "
                              "on the first accelerate_peft() before accelerating it again")
         self._model_ref = weakref.ref(model)
@@ -100,8 +153,8 @@ class PeftAcceleration:
         if isinstance(inner, torch.nn.Module) and inner is not model:
             roots.append(inner)
         for root in roots:
-            self._hooks.append(root.register_forward_pre_hook(self._rescan_hook))
-        object.__setattr__(model, _MARK, weakref.ref(self))
+            self._hooks.append(root.register_forward_pre_hook(_Rescan(self)))
+        _ACCELERATED[model] = self
 
     # ------------------------------------------------------------------ public
     @property
@@ -134,11 +187,8 @@ class PeftAcceleration:
             layer.unpatch()
         self._layers.clear()
         model = self._model_ref()
-        if model is not None and getattr(model, _MARK, None) is not None:
-            try:
-                object.__delattr__(model, _MARK)
-            except AttributeError:
-                pass
+        if model is not None and _ACCELERATED.get(model) is self:
+            del _ACCELERATED[model]
 
     def __enter__(self):
         return self
@@ -213,17 +263,11 @@ class _Layer:
         self.original = module.forward
         self.views = {}   # adapter -> (key, LoraDelta view)
         self.tables = {}  # tuple of view ids -> (EntryTable, views kept alive)
-        layer_ref = weakref.ref(self)
-
-        def forward(x, *args, **kwargs):
-            layer = layer_ref()
-            if layer is None:  # pragma: no cover - the acceleration is gone
-                return type(module).forward(module, x, *args, **kwargs)
-            return layer.forward(x, *args, **kwargs)
-
-        module.forward = forward
+        _LAYERS[module] = self
+        module.forward = _Forward(module)
 
     def unpatch(self):
+        _LAYERS.pop(self.module, None)
         if self.had_instance_forward:
             self.module.forward = self.original
         else:
@@ -347,8 +391,14 @@ class _Layer:
         why = self.reason(x, names) if not m.disable_adapters else None
         if why is None and names:
             views = [self.view(a) for a in names]
-            bad = next((v for v in views if isinstance(v, str)), None)
-            why = bad
+            why = next((v for v in views if isinstance(v, str)), None)
+            if why is None:
+                for a, v in zip(names, views):
+                    scale = self._scale(a)
+                    if not abs(scale) < _F32_OVERFLOW:  # PEFT's own forward gives inf/nan then
+                        why = f"adapter {a!r} scaling {scale!r} is not finite in float32"
+                        break
+                    v.scale.set(scale)
         result_dtype_ok = True
         if why is not None:
             acc._status[self.name] = why
@@ -428,11 +478,7 @@ class _Layer:
         output dtype is not one the kernels write."""
         if _torch_dtypes().get(result.dtype) is None:
             return False
-        views = []
-        for a in names:
-            v = self.views[a][1]
-            v.scale.set(self._scale(a))
-            views.append(v)
+        views = [self.views[a][1] for a in names]  # their scales were set by forward()
         alora = [self._is_alora(a) for a in names]
         if not any(alora):
             self._run(self.table(views, True), x, result)
@@ -456,11 +502,7 @@ class _Layer:
         if not names:
             return True
         slot = {a: i for i, a in enumerate(names)}
-        views = []
-        for a in names:
-            v = self.views[a][1]
-            v.scale.set(self._scale(a))
-            views.append(v)
+        views = [self.views[a][1] for a in names]
         table = self.table(views, False)
         alora = {a: self._is_alora(a) for a in names}
         per_row = [(slot.get(a, -1), alora.get(a, False)) for a in adapter_names]

@@ -344,3 +344,37 @@ def test_memory_added_is_small():
         tracemalloc.stop()
         acc.restore()
     assert added <= 0.05 * adapter_bytes, (added, adapter_bytes)
+
+
+def test_copies_and_pickles_of_an_accelerated_model_get_peft_forward(tmp_path):
+    import copy
+    import pickle
+
+    model = peft_model(seed=13)
+    x = ids()
+    with torch.no_grad():
+        ref = logits(model, x)
+        with lora.accelerate_peft(model):
+            logits(model, x)
+            twin = copy.deepcopy(model)
+            blob = pickle.dumps(model)
+            torch.save(model, tmp_path / "m.pt")
+            close(logits(twin, x), ref, "deepcopy")
+            close(logits(pickle.loads(blob), x), ref, "pickle")
+            # the copy has PEFT's own forward: its weights, not the original's
+            for p in twin.parameters():
+                p.data.zero_()
+            assert not torch.equal(logits(model, x), logits(twin, x))
+        close(logits(model, x), ref, "restored")
+
+
+def test_a_scaling_not_finite_in_float32_falls_back_to_peft():
+    model = peft_model(seed=14)
+    model.set_adapter("a")
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    q.scaling["a"] = 1e39
+    x = ids()
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        logits(model, x)
+        assert "not finite in float32" in acc.skipped[
+            "base_model.model.model.layers.0.self_attn.q_proj"]
