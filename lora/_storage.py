@@ -55,6 +55,22 @@ def _round_to_odd_f32(src):
     return t
 
 
+LARGEST = {"float32": float(np.finfo(np.float32).max), "float16": 65504.0,
+           "bfloat16": 3.3895313892515355e38}
+
+
+def round_to(wide, name):
+    """float32/float64 `wide` rounded once to nearest even into `name` (a NumPy array of that
+    dtype); values beyond its range become inf, as a cast does (callers check)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if name == "float32":
+            return wide.astype(np.float32)
+        if name == "float16":
+            return wide.astype(np.float16)  # NumPy rounds float64/float32 -> float16 directly
+        src = _round_to_odd_f32(wide) if wide.dtype == np.float64 else wide
+        return src.astype(bf16())
+
+
 def to_storage(arr, name, what):
     """Round `arr` (a real float array) to the storage dtype `name`, round-to-nearest-even.
 
@@ -65,19 +81,10 @@ def to_storage(arr, name, what):
     if not np.isfinite(wide).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(wide))[0])
         raise ValueError(f"{what} has a non-finite value ({wide[bad]}) at index {bad}")
-    with np.errstate(over="ignore"):  # an overflow is reported below, as a ValueError
-        if name == "float32":
-            out = wide.astype(np.float32)
-        elif name == "float16":
-            out = wide.astype(np.float16)  # NumPy rounds float64/float32 -> float16 directly, RNE
-        else:
-            src = _round_to_odd_f32(wide) if wide.dtype == np.float64 else wide
-            out = src.astype(bf16())
+    out = round_to(wide, name)
     if not np.isfinite(out.astype(np.float32)).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(out.astype(np.float32)))[0])
-        limit = {"float32": float(np.finfo(np.float32).max), "float16": 65504.0,
-                 "bfloat16": 3.3895313892515355e38}[name]
         raise ValueError(f"{what} value {wide[bad]} at index {bad} overflows {name} "
-                         f"(largest finite: {limit:g})")
+                         f"(largest finite: {LARGEST[name]:g})")
     out = np.ascontiguousarray(out)
     return out if name == "float32" else out.view(np.uint16)

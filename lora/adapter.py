@@ -321,6 +321,9 @@ class Pair:
         self.tensors = tensors                        # the file's two tensor names, for messages
 
 
+_F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103  # doubles from here on round to inf in float32
+
+
 def format_error(path, what, tensor=None, key=None, pair=None):
     """A one-line `LoraFormatError`: ``"<path>: tensor '<t>': <what>"`` (or ``tensors '<a>' and
     '<b>'``, ``key '<k>'``), so every refusal names the file and what in it is wrong."""
@@ -390,6 +393,10 @@ def build_adapter(pairs, *, path, name, alpha, scale, dtype, invocation_tokens=N
             raise
         except (ValueError, TypeError) as exc:
             raise format_error(path, f"cannot be stored as {storage}: {exc}", pair=p.tensors) from exc
+        if not abs(delta.effective_scale) < _F32_OVERFLOW:
+            raise format_error(path, f"alpha {p.alpha:g} at rank {delta.rank} gives the effective "
+                                     f"scale {delta.effective_scale:g} (scale x alpha factor), "
+                                     f"which is not finite in float32", pair=p.tensors)
         if p.zero_alpha:
             zeroed.append(p.name)
         deltas[p.name] = delta

@@ -490,12 +490,17 @@ def merge_(w, terms, rows, cols):
         acc = arr[sl].astype(np.float64)
         for d, s in live:
             acc += d._delta64(s, sl)
-        try:
-            result[sl] = S.to_storage(acc, name, f"the merged weight (rows from {r0})").view(
-                arr.dtype)
-        except ValueError as exc:
-            raise ValueError(f"merging into w overflows its dtype; w is left untouched: {exc}") \
-                from None
+        rounded = S.round_to(acc, name)
+        # an element that was finite in w and is not now overflowed; one that was inf or nan
+        # already stays so, as w + delta would leave it
+        grown = ~np.isfinite(rounded.astype(np.float32)) & np.isfinite(arr[sl].astype(np.float32))
+        if grown.any():
+            i, j = (int(v) for v in np.argwhere(grown)[0])
+            verb = "unmerging from" if all(sg < 0 for _, sg in terms) else "merging into"
+            raise ValueError(f"{verb} w overflows its dtype {name} at [{r0 + i}, {j}]: "
+                             f"{acc[i, j]:g} (largest finite: {S.LARGEST[name]:g}); w is left "
+                             f"untouched")
+        result[sl] = rounded.view(arr.dtype)
     arr[...] = result
     if A.is_tensor(w):  # an in-place update, as torch's own ops record it
         A.torch_module().autograd.graph.increment_version(w)

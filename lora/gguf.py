@@ -19,9 +19,11 @@ def is_gguf_file(path):
     """True when ``path`` is a file that starts with the GGUF magic (``b"GGUF"``); False for a
     directory, a missing or unreadable file, or any other file."""
     try:
+        if not os.path.isfile(path):  # never open a FIFO or device: the read could block
+            return False
         with open(path, "rb") as fh:
             return fh.read(4) == b"GGUF"
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
@@ -182,6 +184,9 @@ def load_gguf(path, *, scale=1.0, dtype=None):
     shared = scale_arg(scale)
     p = Path(path)
     if not p.is_file():
+        if p.exists() or p.is_symlink():
+            raise format_error(p, "not a regular file (a directory, FIFO, device or broken "
+                                  "link cannot hold an adapter)")
         raise FileNotFoundError(f"no such file: {os.fspath(p)!r}")
     try:
         reader = _strict_reader_class()(os.fspath(p))

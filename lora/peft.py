@@ -46,20 +46,36 @@ def _peft_paths(path):
             if (p / "adapter_model.bin").exists():
                 raise format_error(p / "adapter_model.bin", "pickled PyTorch adapters are not supported; "
                              "save the adapter with safe_serialization=True")
-            raise format_error(p, "not a PEFT adapter directory: adapter_model.safetensors is missing")
+            # PEFT's save_pretrained puts every adapter but "default" in a subdirectory
+            subs = sorted(c.name for c in p.iterdir()
+                          if (c / "adapter_model.safetensors").is_file())
+            hint = (f"; it holds adapters in subdirectories: {', '.join(subs[:5])} (load one of "
+                    f"them, e.g. {os.fspath(p / subs[0])!r})") if subs else ""
+            raise format_error(p, "not a PEFT adapter directory: adapter_model.safetensors is "
+                                  "missing" + hint)
+        _regular_file(weights)
         return weights, p / "adapter_config.json", p.name
     if not p.exists():
         raise FileNotFoundError(f"no such file or directory: {os.fspath(p)!r}")
+    _regular_file(p)
     if is_gguf_file(p):
         raise format_error(p, "this is a GGUF file, not a PEFT adapter: load it with load_gguf")
     parent = p.parent
     return p, parent / "adapter_config.json", parent.resolve().name or p.stem
 
 
+def _regular_file(p):
+    """A FIFO, device or socket would block or never end a read: refused by name."""
+    if p.exists() and not p.is_file():
+        raise format_error(p, "not a regular file (a FIFO, device or socket cannot hold an "
+                              "adapter)")
+
+
 def _peft_config(cfg_path):
     if not cfg_path.exists():
         raise format_error(cfg_path, "missing: a PEFT adapter needs its adapter_config.json "
                      "beside the weights")
+    _regular_file(cfg_path)
     try:
         with open(cfg_path, encoding="utf-8") as fh:
             cfg = json.load(fh)

@@ -330,3 +330,18 @@ def test_merge_overflow_is_refused_and_w_untouched(dtype):
             d.merge_into(w)
         assert w.tobytes() == before.tobytes()
     del rng
+
+
+def test_merge_keeps_non_finite_w_elements_and_names_overflow():
+    """inf/nan already in w stay (w + delta), not an 'overflow'; a finite element that would
+    become inf is refused, naming where, with w untouched."""
+    d = lora.LoraDelta(np.ones((1, 4)), np.ones((3, 1)))
+    w = np.ones((3, 4), np.float16)
+    w[0, 0], w[1, 1] = np.nan, np.inf
+    d.merge_into(w)
+    assert np.isnan(w[0, 0]) and np.isinf(w[1, 1]) and w[2, 3] == 2
+    d.scale.set(70000.0)
+    w = np.zeros((3, 4), np.float16)
+    with pytest.raises(ValueError, match=r"unmerging from w overflows its dtype float16 at \[0, 0\]"):
+        d.unmerge_from(w)
+    assert not w.any()

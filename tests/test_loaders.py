@@ -11,6 +11,7 @@ bound, so a wrong scale, a wrong transpose or a missing delta cannot pass.
 
 import json
 import math
+import os
 import re
 import warnings
 from pathlib import Path
@@ -1245,3 +1246,41 @@ def test_peft_refuses_configs_found_by_the_new_user_trial(tmp_path):
     _assert_format_error(lambda: load_peft(path), path / "adapter_config.json", "rank_pattern")
     (path / "adapter_config.json").write_text("[" * 200_000 + "]" * 200_000)
     _assert_format_error(lambda: load_peft(path), path / "adapter_config.json", "JSON")
+
+
+def test_an_alpha_whose_scale_is_not_finite_in_float32_is_a_format_error(tmp_path):
+    import json
+    import shutil
+
+    src = os.path.join(os.path.dirname(__file__), "fixtures", "peft_r8_alpha16")
+    dst = tmp_path / "huge_alpha"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = 1e300
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(lora.LoraFormatError, match="not finite in float32") as info:
+        lora.load_peft(dst)
+    assert str(dst) in str(info.value) and "lora_A" in str(info.value)
+
+
+def test_fifos_and_devices_are_refused_not_read(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for load in (lora.load_peft, lora.load_gguf):
+        with pytest.raises(lora.LoraFormatError, match="not a regular file"):
+            load(fifo)
+        with pytest.raises(lora.LoraFormatError, match="not a regular file"):
+            load("/dev/zero")
+    (tmp_path / "d").mkdir()
+    os.mkfifo(tmp_path / "d" / "adapter_model.safetensors")
+    with pytest.raises(lora.LoraFormatError, match="not a regular file"):
+        lora.load_peft(tmp_path / "d")
+
+
+def test_a_directory_of_saved_adapters_names_its_subdirectories(tmp_path):
+    import shutil
+
+    src = os.path.join(os.path.dirname(__file__), "fixtures", "peft_r8_alpha16")
+    shutil.copytree(src, tmp_path / "second")
+    with pytest.raises(lora.LoraFormatError, match="subdirectories: second"):
+        lora.load_peft(tmp_path)
