@@ -5,7 +5,8 @@
  * Packed storage (chosen at construction, see delta.c):
  *   a  = lora_a [rank, lda]  row-major, lda  = cols rounded up to 32, zero pad
  *   bt = lora_b^T [rank, ldb], ldb = rows rounded up to 32, zero pad
- *   (+16 more when that is a multiple of 256, so rows do not alias in L1)
+ *   (+ one 64-byte line more when that is a multiple of 256 elements, so rows
+ *   do not alias in L1 and still start on a line)
  * so both hot loops stream unit-stride rows of 64-byte aligned memory: the
  * projection reads rows of A against x, the accumulation reads rows of B^T
  * (one per rank index) into a strip of outputs, and the token gather reads

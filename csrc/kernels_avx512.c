@@ -60,6 +60,29 @@ INLINE_ __m512 load_masked_f32x16_(const void *p, int64_t i, __mmask16 mask, con
 
 INLINE_ __mmask16 tail_mask_(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
+/* 32 bfloat16 values in one zmm, widened exactly in one uop per 16: shifting
+ * each 32-bit lane left by 16 gives the even-indexed values as float32, and
+ * clearing its low half the odd-indexed ones (lane l: values 2l and 2l + 1).
+ * Against vpmovzxwd + vpslld per 16 values this halves the widening uops,
+ * which share the two 512-bit ports with the FMAs. */
+INLINE_ __m512 bf16_even_f32x16_(__m512i raw_bf16x32) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(raw_bf16x32, 16));
+}
+INLINE_ __m512 bf16_odd_f32x16_(__m512i raw_bf16x32) {
+    return _mm512_castsi512_ps(_mm512_and_si512(raw_bf16x32, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* even/odd lanes (e[l] = value 2l, o[l] = value 2l + 1) back to order:
+ * values 0..15 (lo) and 16..31 (hi) */
+INLINE_ __m512 interleave_lo_f32x16_(__m512 even_f32x16, __m512 odd_f32x16) {
+    const __m512i idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    return _mm512_permutex2var_ps(even_f32x16, idx, odd_f32x16);
+}
+INLINE_ __m512 interleave_hi_f32x16_(__m512 even_f32x16, __m512 odd_f32x16) {
+    const __m512i idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    return _mm512_permutex2var_ps(even_f32x16, idx, odd_f32x16);
+}
+
 /* Project.  Ranks are taken KGROUP_ at a time; for each, the columns are
  * walked in chunks of CHUNK_, and within a chunk every tile of nr ranks x nb
  * positions reads the same nb x-chunks, which stay in L1 (4 x 2 KiB) while A
@@ -143,15 +166,29 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
                         __mmask16 last, const int nb, const float *u, int64_t ldu,
                         const float *scale, float *const *outs, int64_t obase, const int dt,
                         const int one_block) {
+    /* bfloat16 whole tiles (nv even, no mask) widen 32 outputs per load */
+    const int pairs = dt == LORA_DTYPE_BF16 && nv % 2 == 0;
     __m512 total_f32x16[16] = {_mm512_setzero_ps()}, block_f32x16[16];
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = one_block ? kdim : k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
         for (int q = 0; q < nv * nb; q++) block_f32x16[q] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k++) {
             __m512 m_f32x16[8];
-            for (int v = 0; v < nv; v++)
-                m_f32x16[v] = v == nv - 1 ? load_masked_f32x16_(m, k * ldm + i + 16 * v, last, dt)
-                                          : load_f32x16_(m, k * ldm + i + 16 * v, dt);
+            if (pairs) {
+                /* m_f32x16[2p] holds outputs i + 32p + 2l, m_f32x16[2p + 1] outputs
+                 * i + 32p + 2l + 1: each output still meets its own M[k, i] * u[k]
+                 * chain, only in another lane (put back in order at the store) */
+                for (int p = 0; p < nv / 2; p++) {
+                    const __m512i raw_bf16x32 =
+                        _mm512_loadu_si512((const uint16_t *)m + k * ldm + i + 32 * p);
+                    m_f32x16[2 * p] = bf16_even_f32x16_(raw_bf16x32);
+                    m_f32x16[2 * p + 1] = bf16_odd_f32x16_(raw_bf16x32);
+                }
+            } else {
+                for (int v = 0; v < nv; v++)
+                    m_f32x16[v] = v == nv - 1 ? load_masked_f32x16_(m, k * ldm + i + 16 * v, last, dt)
+                                              : load_f32x16_(m, k * ldm + i + 16 * v, dt);
+            }
             for (int b = 0; b < nb; b++) {
                 const __m512 u_f32x16 = _mm512_set1_ps(u[b * ldu + k]);
                 for (int v = 0; v < nv; v++)
@@ -165,6 +202,16 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
         }
         for (int q = 0; q < nv * nb; q++)
             total_f32x16[q] = k0 == 0 ? block_f32x16[q] : _mm512_add_ps(total_f32x16[q], block_f32x16[q]);
+    }
+    if (pairs) {
+        /* even/odd lanes back to output order, once per tile rather than per k */
+        for (int p = 0; p < nv / 2; p++)
+            for (int b = 0; b < nb; b++) {
+                const __m512 even_f32x16 = total_f32x16[2 * p * nb + b];
+                const __m512 odd_f32x16 = total_f32x16[(2 * p + 1) * nb + b];
+                total_f32x16[2 * p * nb + b] = interleave_lo_f32x16_(even_f32x16, odd_f32x16);
+                total_f32x16[(2 * p + 1) * nb + b] = interleave_hi_f32x16_(even_f32x16, odd_f32x16);
+            }
     }
     for (int b = 0; b < nb; b++) {
         if (scale[b] == 0.0f) continue;
