@@ -114,7 +114,17 @@ typedef struct {
     lora_accumulate_fn accumulate[3];  /* [out dtype] */
     lora_read_fn read;
     lora_widen_fn widen[3];            /* [LORA_DTYPE_F32] unused */
+    /* bit 1 << dtype: this ISA sums that storage dtype in another order than
+     * float32 (see LORA_OWN_ORDER), so a float32 copy would change the bits */
+    unsigned own_order;
 } lora_kernel_table;
+
+/* The storage dtypes an ISA file sums in an order of its own, as a mask of
+ * 1 << LORA_DTYPE_*; none by default.  An ISA file that has some #undefs
+ * this and redefines it before its LORA_KERNEL_TABLE line (the macro expands
+ * it there): the drivers then never swap such a delta for a float32 copy
+ * (LORA_WIDEN_MIN in drivers.c). */
+#define LORA_OWN_ORDER 0u
 
 extern const lora_kernel_table lora_kernels_scalar;
 #if defined(LORA_HAVE_X86)
@@ -165,6 +175,7 @@ extern const lora_kernel_table lora_kernels_neon;
         {lora_accumulate_f32_##ISA, lora_accumulate_f16_##ISA, lora_accumulate_bf16_##ISA},     \
         lora_read_##ISA,                                                                        \
         {NULL, lora_widen_f16_##ISA, lora_widen_bf16_##ISA},                                    \
+        LORA_OWN_ORDER,                                                                         \
     };
 
 static inline size_t lora_dtype_size(int dtype) { return dtype == LORA_DTYPE_F32 ? 4 : 2; }
