@@ -33,10 +33,14 @@ static int64_t round_up_(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 /* Row length of packed A / B^T: a multiple of LORA_PAD, nudged off multiples
  * of 256 elements.  Rows 4 KiB apart (cols = 4096 in float32) all map to the
  * same L1 set, and a project tile reads up to 8 such rows at once (the
- * accumulate reads one row per rank index): the nudge spreads them over sets. */
-static int64_t packed_ld_(int64_t n) {
+ * accumulate reads one row per rank index): the nudge spreads them over sets.
+ * The nudge is one cache line (16 float32, 32 half-precision values), so every
+ * row still starts on a line and a 64-byte load of 32 bfloat16 values (the
+ * AVX-512 path) never splits one: a 32-byte nudge made every other row's loads
+ * split, costing more than the wider loads saved. */
+static int64_t packed_ld_(int64_t n, size_t isz) {
     const int64_t ld = round_up_(n, LORA_PAD);
-    return ld % 256 == 0 ? ld + 16 : ld;
+    return ld % 256 == 0 ? ld + LORA_ALIGN / (int64_t)isz : ld;
 }
 
 lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
@@ -47,8 +51,8 @@ lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, 
      * products under 2^62 */
     const int64_t lim = (int64_t)1 << 40;
     if (rank > lim || rows > lim || cols > lim) return NULL;
-    const int64_t lda = packed_ld_(cols), ldb = packed_ld_(rows);
     const size_t isz = lora_dtype_size(dtype);
+    const int64_t lda = packed_ld_(cols, isz), ldb = packed_ld_(rows, isz);
     if (rank > ((int64_t)1 << 62) / (lda > ldb ? lda : ldb) / 4) return NULL;
     lora_delta *d = (lora_delta *)calloc(1, sizeof *d);
     if (!d) return NULL;

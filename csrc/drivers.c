@@ -44,7 +44,9 @@
  * summation order on the same (exactly converted) values, so the bits do not
  * change, while the per-load conversion that would cost up to half of the
  * kernel's arithmetic is paid once instead of once per block.  (At 32
- * positions the copy's page faults cost more than it saved: measured.) */
+ * positions the copy's page faults cost more than it saved: measured.)  Not
+ * for a dtype the ISA sums in an order of its own (kernel table's own_order:
+ * AVX-512 bfloat16), whose bits a float32 copy would change. */
 #define LORA_WIDEN_MIN 256
 /* bank plans for batches up to this size live on the stack */
 #define LORA_STACK_BATCH 256
@@ -339,7 +341,7 @@ static int widen_plan_(plan_ *p, lora_delta **wide, const lora_delta ***use) {
             const lora_delta *d = p->deltas[q];
             (*use)[q] = d;
             if (d->dtype == LORA_DTYPE_F32 || !d->owned || count[e] < LORA_WIDEN_MIN ||
-                p->scales[q] == 0.0)
+                p->scales[q] == 0.0 || (p->kt->own_order >> d->dtype & 1u))
                 continue;
             const int64_t na = d->rank * d->lda, nb = d->rank * d->ldb;
             float *buf = (float *)lora_aligned_alloc((size_t)(na + nb) * sizeof(float));

@@ -5,7 +5,8 @@
  * Packed storage (chosen at construction, see delta.c):
  *   a  = lora_a [rank, lda]  row-major, lda  = cols rounded up to 32, zero pad
  *   bt = lora_b^T [rank, ldb], ldb = rows rounded up to 32, zero pad
- *   (+16 more when that is a multiple of 256, so rows do not alias in L1)
+ *   (+ one 64-byte line more when that is a multiple of 256 elements, so rows
+ *   do not alias in L1 and still start on a line)
  * so both hot loops stream unit-stride rows of 64-byte aligned memory: the
  * projection reads rows of A against x, the accumulation reads rows of B^T
  * (one per rank index) into a strip of outputs, and the token gather reads
@@ -118,7 +119,17 @@ typedef struct {
     lora_accumulate_fn accumulate[3];  /* [out dtype] */
     lora_read_fn read;
     lora_widen_fn widen[3];            /* [LORA_DTYPE_F32] unused */
+    /* bit 1 << dtype: this ISA sums that storage dtype in another order than
+     * float32 (see LORA_OWN_ORDER), so a float32 copy would change the bits */
+    unsigned own_order;
 } lora_kernel_table;
+
+/* The storage dtypes an ISA file sums in an order of its own, as a mask of
+ * 1 << LORA_DTYPE_*; none by default.  An ISA file that has some #undefs
+ * this and redefines it before its LORA_KERNEL_TABLE line (the macro expands
+ * it there): the drivers then never swap such a delta for a float32 copy
+ * (LORA_WIDEN_MIN in drivers.c). */
+#define LORA_OWN_ORDER 0u
 
 extern const lora_kernel_table lora_kernels_scalar;
 #if defined(LORA_HAVE_X86)
@@ -169,6 +180,7 @@ extern const lora_kernel_table lora_kernels_neon;
         {lora_accumulate_f32_##ISA, lora_accumulate_f16_##ISA, lora_accumulate_bf16_##ISA},     \
         lora_read_##ISA,                                                                        \
         {NULL, lora_widen_f16_##ISA, lora_widen_bf16_##ISA},                                    \
+        LORA_OWN_ORDER,                                                                         \
     };
 
 static inline size_t lora_dtype_size(int dtype) { return dtype == LORA_DTYPE_F32 ? 4 : 2; }

@@ -4,15 +4,28 @@
  * Required features: AVX512F, AVX512BW + AVX512VL (16-bit masked loads for
  * the half-precision tails), FMA, F16C (dispatch.c checks all of them).
  * Instructions: vfmadd231ps on 16-lane zmm registers; float16 storage is
- * widened with vcvtph2ps, bfloat16 with vpmovzxwd + vpslld 16 (exact).
+ * widened with vcvtph2ps; bfloat16 storage 32 values per 64-byte load, split
+ * into its even- and odd-indexed values by two vpshufb (exact, port 5, off
+ * the FMA port; see bf16_even_f32x16_), or with vpmovzxwd + vpslld 16 for
+ * 16-value tiles, tails and by-row terms.  Packed rows start on 64-byte lines
+ * (delta.c), so the 64-byte loads never split one.
  *
  * Summation order (one per output element, shared by decode, batch, stack
- * and bank):
- *   project     t[k] = reduce16(lanes), lane l = fma-chain over
- *               j = l (mod 16), ascending, the last partial vector loaded
- *               with a mask (masked-off lanes add 0*0); reduce16 is GCC's
- *               _mm512_reduce_add_ps tree (halves 256, 128, 64, 32 bits).
- *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
+ * and bank, for every x and out dtype):
+ *   project     t[k] = reduce16(lanes); reduce16 is GCC's _mm512_reduce_add_ps
+ *               tree (halves 256, 128, 64, 32 bits).  Lane l is an fma-chain
+ *               over columns j ascending,
+ *                 float32/float16 A: j = l (mod 16), the last partial 16
+ *                   columns loaded with a mask (masked-off lanes add 0*0);
+ *                 bfloat16 A: the j with floor(j / 2) = l (mod 16), i.e.
+ *                   32c + 2l then 32c + 2l + 1 for c = 0, 1, ...; the last
+ *                   partial 32 columns loaded with a mask (masked-off lanes
+ *                   add 0*0).  So a bf16 delta is never run as a float32
+ *                   copy on this path (LORA_OWN_ORDER below).
+ *   accumulate  (every storage dtype; a bf16 tile of 32c outputs keeps output
+ *               i + 2l in even lane l, i + 2l + 1 in odd lane l until the
+ *               store, which changes no arithmetic)
+ *               out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
  *               fma-chain from 0 over k in [16m, 16m+16) ascending of
  *               M[k,i]*u[k] (LORA_KBLOCK), then out[i] = fma(total, s,
  *               out[i]) (one rounding); the tail is the same in masked lanes.
@@ -60,6 +73,61 @@ INLINE_ __m512 load_masked_f32x16_(const void *p, int64_t i, __mmask16 mask, con
 
 INLINE_ __mmask16 tail_mask_(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
+/* 32 bfloat16 values in one zmm, widened exactly in one uop per 16: moving
+ * the low half of each 32-bit lane up 16 bits gives the even-indexed values
+ * as float32, clearing the low half the odd-indexed ones (lane l: values 2l
+ * and 2l + 1).  Each is one vpshufb (byte shuffle, a 0xff index writes a
+ * zero): it runs on port 5, where vpslld on zmm would take port 0 from the
+ * FMAs (the only 512-bit FMA port on a part with one FMA unit, like the Ice
+ * Lake we measure on).  Against vpmovzxwd + vpslld per 16 values this halves
+ * the widening uops and takes them all off the FMA port. */
+INLINE_ __m512 bf16_even_f32x16_(__m512i raw_bf16x32) {
+    /* lane l of each 128-bit block: bytes [zero, zero, 4l, 4l + 1] */
+    const __m512i idx = _mm512_broadcast_i32x4(_mm_setr_epi32(0x0100ffff, 0x0504ffff, 0x0908ffff, 0x0d0cffff));
+    return _mm512_castsi512_ps(_mm512_shuffle_epi8(raw_bf16x32, idx));
+}
+INLINE_ __m512 bf16_odd_f32x16_(__m512i raw_bf16x32) {
+    /* lane l of each 128-bit block: bytes [zero, zero, 4l + 2, 4l + 3] */
+    const __m512i idx = _mm512_broadcast_i32x4(_mm_setr_epi32(0x0302ffff, 0x0706ffff, 0x0b0affff, 0x0f0effff));
+    return _mm512_castsi512_ps(_mm512_shuffle_epi8(raw_bf16x32, idx));
+}
+
+/* even/odd lanes (e[l] = value 2l, o[l] = value 2l + 1) back to order:
+ * values 0..15 (lo) and 16..31 (hi) */
+INLINE_ __m512 interleave_lo_f32x16_(__m512 even_f32x16, __m512 odd_f32x16) {
+    const __m512i idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    return _mm512_permutex2var_ps(even_f32x16, idx, odd_f32x16);
+}
+INLINE_ __m512 interleave_hi_f32x16_(__m512 even_f32x16, __m512 odd_f32x16) {
+    const __m512i idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    return _mm512_permutex2var_ps(even_f32x16, idx, odd_f32x16);
+}
+
+/* columns j .. j + 32 of one position's x as its even- and odd-indexed
+ * values (even[l] = x[j + 2l], odd[l] = x[j + 2l + 1]), to meet the lanes
+ * of a bfloat16 A row widened by bf16_even/odd_f32x16_; columns outside
+ * `mask` read as 0.  A bfloat16 x splits like A; float32 and float16 x are
+ * put in place by two permutes, paid once per x per tile and shared by the
+ * tile's nr ranks. */
+INLINE_ void load_x_pairs_(const void *x, int64_t j, __mmask32 mask, const int full, const int xt,
+                           __m512 *even_f32x16, __m512 *odd_f32x16) {
+    if (xt == LORA_DTYPE_BF16) {
+        const uint16_t *p = (const uint16_t *)x + j;
+        const __m512i raw_bf16x32 = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p);
+        *even_f32x16 = bf16_even_f32x16_(raw_bf16x32);
+        *odd_f32x16 = bf16_odd_f32x16_(raw_bf16x32);
+        return;
+    }
+    const __mmask16 lo_mask = (__mmask16)mask, hi_mask = (__mmask16)(mask >> 16);
+    const __m512 lo_f32x16 = full ? load_f32x16_(x, j, xt) : load_masked_f32x16_(x, j, lo_mask, xt);
+    const __m512 hi_f32x16 = full ? load_f32x16_(x, j + 16, xt)
+                                  : load_masked_f32x16_(x, j + 16, hi_mask, xt);
+    const __m512i even_idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd_idx = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    *even_f32x16 = _mm512_permutex2var_ps(lo_f32x16, even_idx, hi_f32x16);
+    *odd_f32x16 = _mm512_permutex2var_ps(lo_f32x16, odd_idx, hi_f32x16);
+}
+
 /* Project.  Ranks are taken KGROUP_ at a time; for each, the columns are
  * walked in chunks of CHUNK_, and within a chunk every tile of nr ranks x nb
  * positions reads the same nb x-chunks, which stay in L1 (4 x 2 KiB) while A
@@ -79,6 +147,26 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t k, int64_t j0, in
                            const int dt, const int xt) {
     __m512 acc_f32x16[16];
     for (int i = 0; i < nr * nb; i++) acc_f32x16[i] = state[i];
+    if (dt == LORA_DTYPE_BF16) {
+        /* 32 columns per A load: lane l adds column j + 2l, then j + 2l + 1 */
+        for (int64_t j = j0; j < j1; j += 32) {
+            __m512 x_even_f32x16[4], x_odd_f32x16[4];
+            for (int b = 0; b < nb; b++)
+                load_x_pairs_(xs[b], j, 0, 1, xt, &x_even_f32x16[b], &x_odd_f32x16[b]);
+            for (int r = 0; r < nr; r++) {
+                const __m512i a_bf16x32 = _mm512_loadu_si512((const uint16_t *)a + (k + r) * lda + j);
+                const __m512 a_even_f32x16 = bf16_even_f32x16_(a_bf16x32);
+                const __m512 a_odd_f32x16 = bf16_odd_f32x16_(a_bf16x32);
+                for (int b = 0; b < nb; b++) {
+                    __m512 acc = acc_f32x16[r * nb + b];
+                    acc = _mm512_fmadd_ps(a_even_f32x16, x_even_f32x16[b], acc);
+                    acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_odd_f32x16, x_odd_f32x16[b], acc);
+                }
+            }
+        }
+        for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
+        return;
+    }
     for (int64_t j = j0; j < j1; j += 16) {
         __m512 x_f32x16[8];
         for (int b = 0; b < nb; b++) x_f32x16[b] = load_f32x16_(xs[b], j, xt);
@@ -97,7 +185,8 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
     /* nr * nb <= 16 accumulators (+ nb x vectors + 1 A vector <= 32 zmm) */
     const int nr = nb <= 2 ? 8 : 4;
     __m512 state[KGROUP_ * LORA_NB];
-    const int64_t body = cols & ~(int64_t)15;
+    /* whole vectors: 16 columns, or 32 for bfloat16 A (see project_tile_) */
+    const int64_t body = cols & ~(int64_t)(dt == LORA_DTYPE_BF16 ? 31 : 15);
     for (int64_t kg = k0; kg < k1; kg += KGROUP_) {
         const int kn = (int)(k1 - kg < KGROUP_ ? k1 - kg : KGROUP_);
         for (int i = 0; i < kn * nb; i++) state[i] = _mm512_setzero_ps();
@@ -107,6 +196,31 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
             for (; k + nr <= kn; k += nr)
                 project_tile_(a, lda, kg + k, j0, j1, nr, nb, xs, state + k * nb, dt, xt);
             for (; k < kn; k++) project_tile_(a, lda, kg + k, j0, j1, 1, nb, xs, state + k * nb, dt, xt);
+        }
+        if (dt == LORA_DTYPE_BF16) {
+            /* the last partial 32 columns, masked: lanes past cols add 0 * 0 */
+            const __mmask32 mask = (__mmask32)((1ull << (cols - body)) - 1u);
+            __m512 x_even_f32x16[4], x_odd_f32x16[4];
+            for (int b = 0; b < nb && body < cols; b++)
+                load_x_pairs_(xs[b], body, mask, 0, xt, &x_even_f32x16[b], &x_odd_f32x16[b]);
+            for (int k = 0; k < kn; k++) {
+                __m512 a_even_f32x16 = _mm512_setzero_ps(), a_odd_f32x16 = a_even_f32x16;
+                if (body < cols) {
+                    const __m512i a_bf16x32 =
+                        _mm512_maskz_loadu_epi16(mask, (const uint16_t *)a + (kg + k) * lda + body);
+                    a_even_f32x16 = bf16_even_f32x16_(a_bf16x32);
+                    a_odd_f32x16 = bf16_odd_f32x16_(a_bf16x32);
+                }
+                for (int b = 0; b < nb; b++) {
+                    __m512 acc_f32x16 = state[k * nb + b];
+                    if (body < cols) {
+                        acc_f32x16 = _mm512_fmadd_ps(a_even_f32x16, x_even_f32x16[b], acc_f32x16);
+                        acc_f32x16 = _mm512_fmadd_ps(a_odd_f32x16, x_odd_f32x16[b], acc_f32x16);
+                    }
+                    t[b * ldt + kg + k] = _mm512_reduce_add_ps(acc_f32x16);
+                }
+            }
+            continue;
         }
         const __mmask16 mask = tail_mask_(cols - body);
         for (int k = 0; k < kn; k++) {
@@ -143,15 +257,30 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
                         __mmask16 last, const int nb, const float *u, int64_t ldu,
                         const float *scale, float *const *outs, int64_t obase, const int dt,
                         const int one_block) {
-    __m512 total_f32x16[16] = {_mm512_setzero_ps()}, block_f32x16[16];
+    /* bfloat16 whole tiles (nv even, no mask) widen 32 outputs per load */
+    const int pairs = dt == LORA_DTYPE_BF16 && nv % 2 == 0;
+    __m512 total_f32x16[16], block_f32x16[16];
+    for (int q = 0; q < nv * nb; q++) total_f32x16[q] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = one_block ? kdim : k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
         for (int q = 0; q < nv * nb; q++) block_f32x16[q] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k++) {
             __m512 m_f32x16[8];
-            for (int v = 0; v < nv; v++)
-                m_f32x16[v] = v == nv - 1 ? load_masked_f32x16_(m, k * ldm + i + 16 * v, last, dt)
-                                          : load_f32x16_(m, k * ldm + i + 16 * v, dt);
+            if (pairs) {
+                /* m_f32x16[2p] holds outputs i + 32p + 2l, m_f32x16[2p + 1] outputs
+                 * i + 32p + 2l + 1: each output still meets its own M[k, i] * u[k]
+                 * chain, only in another lane (put back in order at the store) */
+                for (int p = 0; p < nv / 2; p++) {
+                    const __m512i raw_bf16x32 =
+                        _mm512_loadu_si512((const uint16_t *)m + k * ldm + i + 32 * p);
+                    m_f32x16[2 * p] = bf16_even_f32x16_(raw_bf16x32);
+                    m_f32x16[2 * p + 1] = bf16_odd_f32x16_(raw_bf16x32);
+                }
+            } else {
+                for (int v = 0; v < nv; v++)
+                    m_f32x16[v] = v == nv - 1 ? load_masked_f32x16_(m, k * ldm + i + 16 * v, last, dt)
+                                              : load_f32x16_(m, k * ldm + i + 16 * v, dt);
+            }
             for (int b = 0; b < nb; b++) {
                 const __m512 u_f32x16 = _mm512_set1_ps(u[b * ldu + k]);
                 for (int v = 0; v < nv; v++)
@@ -165,6 +294,16 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
         }
         for (int q = 0; q < nv * nb; q++)
             total_f32x16[q] = k0 == 0 ? block_f32x16[q] : _mm512_add_ps(total_f32x16[q], block_f32x16[q]);
+    }
+    if (pairs) {
+        /* even/odd lanes back to output order, once per tile rather than per k */
+        for (int p = 0; p < nv / 2; p++)
+            for (int b = 0; b < nb; b++) {
+                const __m512 even_f32x16 = total_f32x16[2 * p * nb + b];
+                const __m512 odd_f32x16 = total_f32x16[(2 * p + 1) * nb + b];
+                total_f32x16[2 * p * nb + b] = interleave_lo_f32x16_(even_f32x16, odd_f32x16);
+                total_f32x16[(2 * p + 1) * nb + b] = interleave_hi_f32x16_(even_f32x16, odd_f32x16);
+            }
     }
     for (int b = 0; b < nb; b++) {
         if (scale[b] == 0.0f) continue;
@@ -349,6 +488,10 @@ INLINE_ double read_(const float *buf, int64_t n) {
     return s;
 }
 
+/* bfloat16 A is summed in even/odd column pairs (see the header), not in
+ * float32's order: a float32 copy of a bf16 delta would change its bits */
+#undef LORA_OWN_ORDER
+#define LORA_OWN_ORDER (1u << LORA_DTYPE_BF16)
 LORA_KERNEL_TABLE(avx512)
 
 #if defined(__clang__)
