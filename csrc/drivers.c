@@ -119,6 +119,9 @@ static void block_of_(const plan_ *p, int64_t blk, int64_t *start, int *nb, int6
  * block follows, so the region's own closing barrier suffices. */
 static void run_block_(const plan_ *p, int64_t blk, const scratch_ *sc, int tid, int nt,
                        int gather, int last, double *waited) {
+#ifndef _OPENMP
+    (void)last, (void)waited; /* only a team waits at barriers */
+#endif
     int64_t start, entry;
     int nb;
     block_of_(p, blk, &start, &nb, &entry);

@@ -201,6 +201,7 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
             /* the last partial 32 columns, masked: lanes past cols add 0 * 0 */
             const __mmask32 mask = (__mmask32)((1ull << (cols - body)) - 1u);
             __m512 x_even_f32x16[4], x_odd_f32x16[4];
+            for (int b = 0; b < 4; b++) x_even_f32x16[b] = x_odd_f32x16[b] = _mm512_setzero_ps();
             for (int b = 0; b < nb && body < cols; b++)
                 load_x_pairs_(xs[b], body, mask, 0, xt, &x_even_f32x16[b], &x_odd_f32x16[b]);
             for (int k = 0; k < kn; k++) {
