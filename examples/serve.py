@@ -5,10 +5,10 @@
 
 What it shows:
 
-1. three PEFT adapters written by PEFT itself for a tiny random Llama (built from a config) into
-   a temporary directory, then loaded from those files with ``lora.load_peft``: ``chat`` (every
-   projection), ``sql`` (q and v only) and ``check``, an activated LoRA (aLoRA) that acts only
-   from its invocation tokens on;
+1. three PEFT adapters, and a retrained version of one, written by PEFT itself for a tiny random
+   Llama (built from a config) into a temporary directory, then loaded from those files with
+   ``lora.load_peft``: ``chat`` (every projection), ``sql`` (q and v only) and ``check``, an
+   activated LoRA (aLoRA) that acts only from its invocation tokens on;
 2. an ``AdapterSet`` over them and one live bank per projection;
 3. a toy NumPy model step: each layer's seven projections are base matmuls followed by one bank
    call, so every position of the batch gets its own request's adapter and scale.  The

@@ -22,13 +22,17 @@ PEFT's own forward (adapters float32); ``peft_bf16_adapters`` (bf16 model) = the
 adapters in bf16 (``autocast_adapter_dtype=False``); ``peft_merged`` = a copy of the model after
 ``merge_adapter()`` (no LoRA work: the floor of the single-adapter rows); ``peft_base`` (mixed
 rows) = the model with its adapter layers disabled (no merge serves a mixed batch: its floor).
-The LoRA overhead of an implementation is its time less the floor's.  Before timing, our logits
+The LoRA overhead of an implementation is its time less the floor's: a difference of a few ms
+on a floor of tens, so the implementations are visited in many short rounds (a warm-up call and
+two timed calls each, no settling pause), as many as fit in ``ROW_BUDGET_S`` (quick: ``QUICK_``),
+and a slow change of the machine's load falls on all of them alike.  Before timing, our logits
 are checked against PEFT's own (relative norm: float32 rounding for the float32 model).
 """
 
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 
 from .timing import Impl
@@ -45,6 +49,7 @@ FLOORS = ("peft_merged", "peft_base")
 # relative-norm tolerance of ours against PEFT's logits: float32 rounding through the layers;
 # in bf16 a LoRA term summed in another order can round the other way, and that bf16 ulp moves on
 _TOL = {"float32": 1e-5, "bfloat16": 3e-2}
+ROW_BUDGET_S, QUICK_ROW_BUDGET_S, MAX_ROUNDS = 20.0, 3.0, 15
 
 
 class PeftModels:
@@ -161,8 +166,16 @@ def build_peft(ctx, kind, layers, dtype):
         m.use(state)
         return run().double().numpy()
 
+    m.use("ours")
+    t = time.perf_counter()
+    run()
+    per_round = 3 * len(impls) * (time.perf_counter() - t)  # a warm-up and two samples each
+    budget = QUICK_ROW_BUDGET_S if layers == QUICK_LAYERS else ROW_BUDGET_S
+    timing = {"rounds": max(1, min(MAX_ROUNDS, int(budget / per_round))), "samples": 2,
+              "settle_s": 0.0, "impl_budget_s": 0.0}
     info = {"layers": layers, "floor": "peft_base" if kind == "mixed" else "peft_merged"}
-    return Built(impls, 0, 0, (lambda: logits("ours"), lambda: logits("peft_unmerged"), _TOL[dtype]), info)
+    return Built(impls, 0, 0, (lambda: logits("ours"), lambda: logits("peft_unmerged"), _TOL[dtype]), info,
+                 timing)
 
 
 def workloads(layers):
