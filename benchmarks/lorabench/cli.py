@@ -55,6 +55,8 @@ COLUMNS_NOTE = [
   "  in bf16 by hand; PEFT = its float32 upcast; naive/tuned and vs ours f32 = the float32 row of that shape.",
   "  edge rows: calls at scale 0 (no arithmetic): the Python layer and the C entry alone. adapter-set step:",
   "  one decode step, a bank call per projection; its edge is the same step with every adapter's scale 0.",
+  "  peft rows: one forward of a whole PEFT model (lorabench/peftmodel.py); ours = under lora.accelerate_peft;",
+  "  LoRA overhead = a time less the floor's (merged, or adapter layers disabled for a mixed batch).",
 ]
 
 

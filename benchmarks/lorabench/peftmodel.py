@@ -139,6 +139,15 @@ class PeftModels:
         return decode
 
 
+def overheads(result, stat="median_s"):
+    """{implementation: its `stat` ("median_s" or "min_s") less the floor's} of a finished row,
+    and the floor's own; the minima are the better guess of what a call costs when the machine
+    is busy (noise only ever adds)."""
+    impls = result["impls"]
+    t0 = impls[result["floor"]][stat]
+    return {k: v[stat] - t0 for k, v in impls.items() if k not in FLOORS}, t0
+
+
 def _models(ctx, layers, dtype):
     key = ("peft", layers, dtype)
     if key not in ctx.cache:

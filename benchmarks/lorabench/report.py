@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from .machine import LANES, LEVELS, CpuMonitor, fmt_bytes
-from .peftmodel import FLOORS
+from .peftmodel import overheads
 from .targets import DT, TARGETS
 
 def fmt_time(s):
@@ -223,13 +223,10 @@ def _peft_notes(w):
     """The "other" column of the PEFT rows: PEFT's times as ratios, and the LoRA overhead of each
     over the row's floor."""
     r = w.result
-    impls, floor = r["impls"], r["floor"]
-    t0 = impls[floor]["median_s"]
-    over = {k: impls[k]["median_s"] - t0 for k in impls if k not in FLOORS}
-    notes = [f"{r['layers']} layers"] + [f"vs {_BASE_NAMES[k]} {_ratio(r['speedup'][k])}" for k in impls
-                                         if k not in FLOORS and k != "ours"]
-    notes.append(f"{_BASE_NAMES[floor]} {fmt_time(t0)}; LoRA overhead: ours {over['ours'] * 1e3:.2f} ms, "
-                 + ", ".join(f"{_BASE_NAMES[k]} {v * 1e3:.2f} ms" for k, v in over.items() if k != "ours"))
+    (over, t0), (low, _) = overheads(r), overheads(r, "min_s")
+    notes = [f"{r['layers']} layers"] + [f"vs {_BASE_NAMES[k]} {_ratio(r['speedup'][k])}" for k in over if k != "ours"]
+    notes.append(f"{_BASE_NAMES[r['floor']]} {fmt_time(t0)}; LoRA overhead, median (min): " + ", ".join(
+        f"{'ours' if k == 'ours' else _BASE_NAMES[k]} {v * 1e3:.2f} ({low[k] * 1e3:.2f}) ms" for k, v in over.items()))
     return notes
 
 
