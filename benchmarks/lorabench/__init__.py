@@ -9,6 +9,7 @@
 * ``workloads`` the rows (decode, prefill, gather, stack, model sweep, bank), their baselines and
                 bytes / flops model, and the roofline / speedup analysis;
 * ``startup``   ``python -c "import lora"`` and ``python -m lora info`` in fresh processes;
+* ``peftmodel`` whole-model rows: a Llama-shaped PEFT model run by PEFT and by ``accelerate_peft``;
 * ``targets``   the speed targets as a table, and the one function that judges them;
 * ``report``    header, table, targets, JSON document and plot;
 * ``cli``       the flags and the run.

@@ -12,7 +12,7 @@ import traceback
 
 import numpy as np
 
-from . import machine, report, targets, workloads
+from . import machine, peftmodel, report, targets, workloads
 from .timing import TimingConfig
 
 REEXEC_NOTE = "LORA_BENCH_CLEARED"  # set by bench.py when it re-executed without OpenBLAS overrides
@@ -55,6 +55,8 @@ COLUMNS_NOTE = [
   "  in bf16 by hand; PEFT = its float32 upcast; naive/tuned and vs ours f32 = the float32 row of that shape.",
   "  edge rows: calls at scale 0 (no arithmetic): the Python layer and the C entry alone. adapter-set step:",
   "  one decode step, a bank call per projection; its edge is the same step with every adapter's scale 0.",
+  "  peft rows: one forward of a whole PEFT model (lorabench/peftmodel.py); ours = under lora.accelerate_peft;",
+  "  LoRA overhead = a time less the floor's (merged, or adapter layers disabled for a mixed batch).",
 ]
 
 
@@ -106,7 +108,12 @@ def main(argv=None, description=None):
     if quick:
         notes.append(f"--quick: the adapter-set step builds {set_layers} of the model's "
                      f"{workloads.LLAMA2_7B_LAYERS} layers (a full run builds them all)")
+    peft_layers = peftmodel.QUICK_LAYERS if quick else peftmodel.LAYERS
+    if quick:
+        notes.append(f"--quick: the PEFT rows build {peft_layers} of their model's {peftmodel.LAYERS} layers "
+                     "(a full run builds them all)")
     W = workloads.workloads(sweep_layers, startup_runs=5 if quick else 11, set_layers=set_layers)
+    W += peftmodel.workloads(peft_layers)
     if args.only:
         W = [w for w in W if any(t in f"{w.name} {w.group} {w.dtype}" for t in args.only)]
     progress = report.Progress(len(W) + 2, enabled=not args.no_progress)

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from .machine import LANES, LEVELS, CpuMonitor, fmt_bytes
+from .peftmodel import overheads
 from .targets import DT, TARGETS
 
 def fmt_time(s):
@@ -69,7 +70,8 @@ _BASE_NAMES = {
     "numpy_tuned_f32": "NumPy tuned (f32)", "ours_f32": "ours f32", "torch_f32": "PyTorch f32",
     "single_add_to": "single-adapter add_to", "ours_f32act": "ours, f32 x/out", "peft": "PEFT (f32 upcast)",
     "ours_torch": "ours, torch tensors", "set": "AdapterSet bank", "delta": "LoraDelta add_batch_to",
-    "edge": "edge (every scale 0)",
+    "edge": "edge (every scale 0)", "peft_unmerged": "PEFT", "peft_bf16_adapters": "PEFT, adapters bf16",
+    "peft_merged": "PEFT merged (floor)", "peft_base": "adapter layers disabled (floor)",
 }
 
 
@@ -161,6 +163,9 @@ def table_lines(W):
         elif w.group in ("edge", "setstep"):
             naive = tuned = tor = None
             other += _edge_notes(w)
+        elif w.group == "peft":
+            naive = tuned = tor = None
+            other += _peft_notes(w)
         else:
             naive, tuned, tor = sp.get("numpy_naive" + suffix), sp.get("numpy_tuned" + suffix), sp.get("torch")
             if "ours_f32act" in sp:  # bf16 x/out: against our f32 x/out call and PEFT's upcast
@@ -212,6 +217,17 @@ def _edge_notes(w):
         return [f"tensors {fmt_time(impls['ours_torch']['median_s'])}, "
                 f"{(impls['ours_torch']['median_s'] - t) * 1e6:+.2f} µs over ndarrays"]
     return []
+
+
+def _peft_notes(w):
+    """The "other" column of the PEFT rows: PEFT's times as ratios, and the LoRA overhead of each
+    over the row's floor."""
+    r = w.result
+    (over, t0), (low, _) = overheads(r), overheads(r, "min_s")
+    notes = [f"{r['layers']} layers"] + [f"vs {_BASE_NAMES[k]} {_ratio(r['speedup'][k])}" for k in over if k != "ours"]
+    notes.append(f"{_BASE_NAMES[r['floor']]} {fmt_time(t0)}; LoRA overhead, median (min): " + ", ".join(
+        f"{'ours' if k == 'ours' else _BASE_NAMES[k]} {v * 1e3:.2f} ({low[k] * 1e3:.2f}) ms" for k, v in over.items()))
+    return notes
 
 
 def baseline_lines(W):
@@ -276,8 +292,8 @@ def plot(path, W, meta):
     import matplotlib.ticker
     from matplotlib.patches import Patch
 
-    # the start-up, edge and adapter-set rows have no speedup bars
-    done = [w for w in W if "speedup" in w.result and w.group not in ("edge", "setstep")]
+    # the start-up, edge, adapter-set and whole-model PEFT rows have no speedup bars
+    done = [w for w in W if "speedup" in w.result and w.group not in ("edge", "setstep", "peft")]
     labels = [f"{w.name} {DT[w.dtype]}" + (" !" if (w.result.get("others_cpu") or 0) > CpuMonitor.BUSY else "")
               for w in done]
 

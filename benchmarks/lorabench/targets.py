@@ -10,6 +10,9 @@ import operator
 from dataclasses import dataclass
 
 from .machine import CpuMonitor, fmt_bytes
+from .peftmodel import DECODE as PEFT_DECODE
+from .peftmodel import MIXED_NAME as PEFT_MIXED
+from .peftmodel import overheads
 from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, edge_name, gather_name,
                         halfact_name, prefill_name)
 
@@ -142,6 +145,27 @@ class SlowestOver:
 
 
 @dataclass(frozen=True)
+class Overhead:
+    """What ours adds over the row's floor (``info["floor"]``: a run without LoRA work) as a
+    fraction of what `other` adds over it: (ours - floor) / (other - floor), medians."""
+
+    other: str
+
+    def __call__(self, rows, run):
+        r = rows[0].result
+        if r.get("floor") not in r["impls"] or self.other not in r["impls"]:
+            return None, f"{r.get('floor')}, {self.other} not both measured", rows[:1]
+        (over, t0), (low, _) = overheads(r), overheads(r, "min_s")
+        ours, other = over["ours"], over[self.other]
+        detail = (f"LoRA overhead: ours {ours * 1e3:.2f} ms, {self.other} {other * 1e3:.2f} ms over "
+                  f"{r['floor']} {t0 * 1e3:.2f} ms (from the minima: {low['ours'] * 1e3:.2f} and "
+                  f"{low[self.other] * 1e3:.2f} ms)")
+        if other <= 0:
+            return None, detail + f"; {self.other}'s overhead is not above the floor (noise)", rows[:1]
+        return max(ours, 0.0) / other, detail, rows[:1]
+
+
+@dataclass(frozen=True)
 class FromDram:
     """`inner`, judged only if the row's bytes per call are >= 2x the last-level cache (else it
     may be served from cache, and a DRAM verdict on it would be a guess)."""
@@ -205,6 +229,10 @@ TARGETS = (
            Rows("edge", "float32", BANK_EDGE_NAME), Micros("set", "delta"), "<=", 2.0),
     Target("no workload slower than PyTorch", Rows(), SlowestOver(("torch", "torch_f32", "torch_group", "peft"),
                                                                   ("gather_einsum",)), ">=", 1.0),
+    *(Target(f"{PEFT_DECODE} {DT[d]}: LoRA overhead, accelerate_peft / PEFT", Rows("peft", d, PEFT_DECODE),
+             Overhead("peft_unmerged"), "<=", 1 / 3) for d in ("float32", "bfloat16")),
+    *(Target(f"{PEFT_MIXED} {DT[d]} (adapter_names) vs PEFT", Rows("peft", d, PEFT_MIXED),
+             Speedup("peft_unmerged"), ">=", 2.0) for d in ("float32", "bfloat16")),
     Target("import lora, fresh interpreter (ms)", Rows("startup", name="python -c 'import lora'"),
            Milliseconds(), "<=", 150),
     Target("python -m lora info (ms)", Rows("startup", name="python -m lora info"), Milliseconds(), "<=", 300),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -41,6 +41,7 @@ class Built:
     flops: int
     check: tuple = None  # (ours_fn, reference_fn, tolerance): each returns a fresh result array
     info: dict = None  # extra facts for the report (merged into the row's result)
+    timing: dict = None  # TimingConfig fields this row sets for itself (e.g. more, shorter rounds)
 
 
 @dataclass(eq=False)
@@ -876,6 +877,9 @@ def run_workload(wl, ctx, cfg, status, monitor=None):
     if not err <= tol:
         raise AssertionError(f"result differs from the float64 reference: relative error {err:.2e} > {tol:.0e}")
     res.update(built.info or {})
+    if built.timing:
+        cfg = replace(cfg, **built.timing)
+        res["timing"] = built.timing
     samples, res["others_cpu"] = measure(built.impls, cfg, status, wl.name, monitor)
     res["impls"] = {name: {**summarize(v), "calls_per_sample": built.impls[name].k} for name, v in samples.items()}
     for name, impl in built.impls.items():
