@@ -174,6 +174,7 @@ class PeftAcceleration:
         for layer in self._layers.values():
             layer.views.clear()
             layer.tables.clear()
+            layer.plan = None
 
     def restore(self):
         """Put back exactly the forwards that were there; a second call does nothing."""
@@ -254,7 +255,7 @@ class _Layer:
     """One patched PEFT layer: its original forward, and views of its adapters' weights."""
 
     __slots__ = ("acc", "name", "module", "linear", "had_instance_forward", "original", "views",
-                 "tables", "__weakref__")
+                 "tables", "plan", "__weakref__")
 
     def __init__(self, acc, name, module):
         self.acc, self.name, self.module = acc, name, module
@@ -263,10 +264,12 @@ class _Layer:
         self.original = module.forward
         self.views = {}   # adapter -> (key, LoraDelta view)
         self.tables = {}  # tuple of view ids -> (EntryTable, views kept alive)
+        self.plan = None  # the short path for the next call, while nothing it depends on moves
         _LAYERS[module] = self
         module.forward = _Forward(module)
 
     def unpatch(self):
+        self.plan = None
         _LAYERS.pop(self.module, None)
         if self.had_instance_forward:
             self.module.forward = self.original
@@ -374,8 +377,19 @@ class _Layer:
         return None
 
     def forward(self, x, *args, **kwargs):
+        plan = self.plan
+        if plan is not None and not args and not kwargs:
+            result = plan.run(x)
+            if result is not None:
+                return result
+        return self._forward(x, *args, **kwargs)
+
+    def _forward(self, x, *args, **kwargs):
+        """PEFT's forward logic with the LoRA term from the kernels; leaves a `_Plan` behind for
+        the common case (plain active adapters, nothing in kwargs) so the next call is short."""
         m = self.module
         acc = self.acc
+        self.plan = None
         if not acc._active:  # pragma: no cover - restore() removed the patch
             return self.original(x, *args, **kwargs)
         adapter_names = kwargs.get("adapter_names")
@@ -419,6 +433,9 @@ class _Layer:
             result = m.base_layer(x, *args, **kwargs)
             if names:
                 result_dtype_ok = self._active(x, result, names, alora_offsets)
+                if (result_dtype_ok and self.linear and not args and not kwargs
+                        and alora_offsets is None and not any(self._is_alora(a) for a in names)):
+                    self.plan = _Plan(self, names)
         if not result_dtype_ok:  # an output dtype the kernels do not write: PEFT computes it
             acc._status[self.name] = f"the layer's output is {result.dtype}"
             kwargs["adapter_names"] = adapter_names
@@ -512,3 +529,60 @@ class _Layer:
             ids = np.fromiter((s for s, _ in per_row), np.int64, len(per_row))
         self._run(table, x, result, ids)
         return True
+
+
+class _Plan:
+    """A Linear layer's short path: the active plain-LoRA adapters' stack, valid while none of
+    what PEFT's forward depends on has moved: the active adapters, disable/merge state, the
+    adapters' modules and parameters (and where their data lives), their scaling, training
+    mode with dropout, and autograd not recording.  Anything else: None, and the full path runs
+    (and may build a new plan)."""
+
+    __slots__ = ("layer", "active", "names", "mods", "params", "ptrs", "scalings", "table",
+                 "base", "dropout_free", "torch", "codes")
+
+    def __init__(self, layer, names):
+        m = layer.module
+        self.layer = layer
+        self.torch = layer.acc._torch
+        self.codes = _torch_dtypes()
+        self.active = m.__dict__.get("_active_adapter")
+        self.names = tuple(names)
+        lora_a, lora_b = m._modules["lora_A"]._modules, m._modules["lora_B"]._modules
+        self.mods = tuple((lora_a[a], lora_b[a]) for a in names)
+        self.params = tuple((ma._parameters["weight"], mb._parameters["weight"])
+                            for ma, mb in self.mods)
+        self.ptrs = tuple((pa.data_ptr(), pb.data_ptr()) for pa, pb in self.params)
+        self.scalings = tuple(m.scaling[a] for a in names)
+        views = [layer.views[a][1] for a in names]
+        self.table = layer.table(views, True)
+        self.base = m._modules["base_layer"]
+        drops = m._modules["lora_dropout"]._modules
+        self.dropout_free = all(getattr(drops[a], "p", 0) == 0 for a in names)
+
+    def run(self, x):
+        m = self.layer.module
+        d = m.__dict__
+        if (d.get("_active_adapter") is not self.active or d.get("_disable_adapters")
+                or d.get("merged_adapters") or (m.training and not self.dropout_free)):
+            return None
+        torch = self.torch
+        if type(x) is not torch.Tensor or not x.is_cpu:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(
+                pa.requires_grad or pb.requires_grad for pa, pb in self.params)):
+            return None
+        lora_a = m._modules["lora_A"]._modules
+        lora_b = m._modules["lora_B"]._modules
+        scaling = m.scaling
+        for a, (ma, mb), (pa, pb), (ptr_a, ptr_b), s in zip(self.names, self.mods, self.params,
+                                                            self.ptrs, self.scalings):
+            if (lora_a.get(a) is not ma or lora_b.get(a) is not mb
+                    or ma._parameters["weight"] is not pa or mb._parameters["weight"] is not pb
+                    or pa.data_ptr() != ptr_a or pb.data_ptr() != ptr_b or scaling[a] != s):
+                return None
+        result = self.base(x)
+        if result.dtype not in self.codes:
+            return None
+        self.table.apply_batch(x, result)
+        return result

@@ -621,17 +621,32 @@ class EntryTable:
             fast = self._fast_batch(x, xc, out, oc, adapter_ids, scales, shape)
             if fast is not None:
                 return out
-        elif (shape is not None and adapter_ids is None and type(out) is not _ndarray
+        elif (shape is not None and scales is None and type(out) is not _ndarray
+              and (adapter_ids is None or (type(adapter_ids) is _ndarray
+                                           and adapter_ids.dtype is _I64
+                                           and adapter_ids.ndim == 1))
               and (fast := A.tensor_batch(x, out, shape[1], shape[0])) is not None):
             # contiguous CPU tensors, every position on entry 0 (a stack, or PEFT's active
-            # adapters): straight to C, which checks overlap and alignment
+            # adapters) or int64 ids, one per leading row (PEFT's adapter_names): straight to
+            # C, which checks overlap, alignment and the ids
             xa, xc, oa, oc, n = fast
-            status = _lora_apply_batch(len(self._entries), self.first, self.ptrs, self.scales(),
-                                       _NULL, _NULL, 1, shape[0], shape[1], n, _cast(_VOIDP, xa),
-                                       xc, shape[1], _cast(_VOIDP, oa), oc, shape[0], _NULL) \
-                if n else 0
-            if status == 0:
-                return out
+            idp, every = _NULL, 1
+            if adapter_ids is not None:
+                rows0 = out.shape[0]
+                if adapter_ids.shape[0] == rows0 and n % max(rows0, 1) == 0:
+                    idp, every = _from_buffer("int64_t[]", adapter_ids), max(n // max(rows0, 1), 1)
+                else:
+                    n = -1  # not this path: the checked one says what is wrong
+            if n >= 0:
+                bad = ffi.new("int64_t *") if idp is not _NULL else _NULL
+                status = _lora_apply_batch(
+                    len(self._entries), self.first, self.ptrs, self.scales(), idp, _NULL, every,
+                    shape[0], shape[1], n, _cast(_VOIDP, xa), xc, shape[1], _cast(_VOIDP, oa), oc,
+                    shape[0], bad) if n else 0
+                if status == 0:
+                    return out
+                if status == lib.LORA_ERR_ADAPTER:
+                    self._raise(status, adapter_ids, None, bad=bad)
         if shape is None:  # no entry holds a delta: no rows/cols to check against
             return self._shapeless_batch(x, out, adapter_ids, scales)
         rows, cols = shape
