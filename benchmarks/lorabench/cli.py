@@ -112,7 +112,8 @@ def main(argv=None, description=None):
     if quick:
         notes.append(f"--quick: the PEFT rows build {peft_layers} of their model's {peftmodel.LAYERS} layers "
                      "(a full run builds them all)")
-    W = workloads.workloads(sweep_layers, startup_runs=5 if quick else 11, set_layers=set_layers)
+    W = workloads.workloads(sweep_layers, startup_runs=5 if quick else 11, set_layers=set_layers,
+                            quick=quick)
     W += peftmodel.workloads(peft_layers)
     if args.only:
         W = [w for w in W if any(t in f"{w.name} {w.group} {w.dtype}" for t in args.only)]
@@ -177,7 +178,7 @@ def main(argv=None, description=None):
     limiter.restore_original_limits()
     by_key = {}
     for w in W:
-        if "impls" in w.result and w.group != "startup":
+        if "impls" in w.result and w.group not in ("startup", "load"):
             workloads.analyse(w, w.result, bw, meta["peak_flops"], threads, cpu["caches"], by_key)
         if w.dtype == "float32":
             by_key[w.key] = w

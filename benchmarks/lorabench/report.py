@@ -145,8 +145,8 @@ def table_lines(W):
     rows = []
     for w in W:
         r = w.result
-        if w.group == "startup" and "impls" in r:
-            continue  # their own section: startup_lines
+        if w.group in ("startup", "load") and "impls" in r:
+            continue  # their own lines: startup_lines, and the load target's detail
         if "speedup" not in r:
             status = r.get("skip") and "skipped: " + r["skip"] or "ERROR: " + r.get("error", "?")
             rows.append((w.name, DT[w.dtype], status))

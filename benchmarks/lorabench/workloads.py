@@ -812,10 +812,33 @@ def set_step_name(layers):
     return f"adapter-set step {layers}L 8x r16 b8"
 
 
-def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS):
+LOAD_NAME = "under load: mean call time / one thread's (worst shape)"
+
+
+def measure_under_load(quick, status):
+    """benchmarks/oversubscription.py's measurement (children under busy processes and a busy
+    torch pool in-process; it makes the load itself, so foreign load does not make it noisy):
+    the worst mean ratio of a default call to a one-thread call under the same load."""
+    import oversubscription  # benchmarks/ is on the path: bench.py lives there
+
+    status("under load: busy processes and a busy torch pool (child processes)")
+    res = oversubscription.under_load(loads=("procs", "torch"), policies=("default",), quick=quick)
+    worst = res["worst"].get("default")
+    if worst is None:
+        return {"skip": "no loaded run finished"}
+    per = {f"{load}: {shape}": round(v["ratio"]["mean"], 2)
+           for load, pol in res["loads"].items()
+           for shape, v in pol.get("default", {}).get("shapes", {}).items()}
+    return {"impls": {"ours": {"median_s": worst, "min_s": worst, "max_s": worst}},
+            "worst": worst, "ratios": per, "others_cpu": None}
+
+
+def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS, quick=False):
     W = [Workload(name, "startup", "-", None, run=lambda ctx, cfg, status, monitor, args=args:
                   startup.measure(ctx.lora, args, startup_runs, status, monitor, cfg.settle_s))
          for name, args in startup.COMMANDS.items()]
+    W.append(Workload(LOAD_NAME, "load", "-", None,
+                      run=lambda ctx, cfg, status, monitor: measure_under_load(quick, status)))
 
     def add(name, group, dtype, build, key=""):
         W.append(Workload(name, group, dtype, build, key))
