@@ -318,28 +318,6 @@ def test_scale_rules(isa):
         assert_same_bits(z1, -z2, f"{kw} negated")
 
 
-def test_shared_scale_is_read_at_every_call(isa, dtype):
-    """One LoraScale shared by several deltas: set() changes every effective_scale and every
-    result at once, recomputing nothing."""
-    rng = np.random.default_rng(12)
-    s = lora.LoraScale(1.0)
-    ds = [make_delta(rng, r, 16, 24, dtype, alpha=2.0 * r, scale=s) for r in (2, 4, 8)]
-    assert all(d.scale is s for d in ds)
-    x = rand(rng, 24)
-    base = [d.add_to(x, np.zeros(16, np.float32)) for d in ds]
-    for v in (0.5, -3.0, 2.0, 0.0, 1.0):
-        s.set(v)
-        assert s.value == v and s.get() == v and float(s) == v
-        for d, b0 in zip(ds, base):
-            assert d.effective_scale == v * 2.0
-            got = d.add_to(x, np.zeros(16, np.float32))
-            want = lora.LoraDelta(*d.lora_weights(), scale=v * 2.0, dtype=dtype).add_to(
-                x, np.zeros(16, np.float32))
-            assert_same_bits(got, want, f"scale {v}")
-    s.value = 0.25
-    assert all(d.effective_scale == 0.5 for d in ds)
-
-
 # -------------------------------------------------------------------- ISA
 
 

@@ -1,4 +1,5 @@
-"""Concurrency and fork stress: many Python threads, scale flips, thread-count flips, fork().
+"""Concurrency stress, and the home of the shared-scale guarantee: many Python threads, scale
+flips, thread-count flips.
 
 The kernels release the GIL, so Python threads really run them at once, each opening its own
 OpenMP team above the work threshold.  What must hold (docs/guarantees.md: the scale is read
@@ -7,19 +8,16 @@ once per call; deterministic and batch-invariant):
 - every output equals a result computed serially with the old or with the new scale -- bit for
   bit, never a mix of the two within one call (a "torn" result);
 - a thread flipping ``lora.set_num_threads`` meanwhile changes no bits;
-- after ``os.fork()`` following OpenMP work, the child finishes its kernel calls (GNU OpenMP's
-  pool does not survive fork; the library runs the child serially) and gets the same bits.
+- one LoraScale shared by several deltas is read at every call, once per call.
+(fork() after OpenMP work: tests/test_threads.py.)
 
 Bounded: every test stops after a few seconds (``LORA_STRESS_SECONDS``, default 2.0 per test) or a
 fixed number of calls, whichever comes first; the whole module stays well under 30 s, also in the
-sanitizer build.  fork() runs in a subprocess, with a waitpid timeout, so a hang fails a test
-instead of the suite.
+sanitizer build.
 """
 
 import os
-import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -27,6 +25,7 @@ import numpy as np
 import pytest
 
 import lora
+from conftest import assert_same_bits, make_delta, rand
 
 SECONDS = float(os.environ.get("LORA_STRESS_SECONDS", "2.0"))
 N_WORKERS = 6
@@ -245,6 +244,28 @@ def _shared_scale_cases():
     }
 
 
+def test_shared_scale_is_read_at_every_call(isa, dtype):
+    """One LoraScale shared by several deltas: set() changes every effective_scale and every
+    result at once, recomputing nothing."""
+    rng = np.random.default_rng(12)
+    s = lora.LoraScale(1.0)
+    ds = [make_delta(rng, r, 16, 24, dtype, alpha=2.0 * r, scale=s) for r in (2, 4, 8)]
+    assert all(d.scale is s for d in ds)
+    x = rand(rng, 24)
+    base = [d.add_to(x, np.zeros(16, np.float32)) for d in ds]
+    for v in (0.5, -3.0, 2.0, 0.0, 1.0):
+        s.set(v)
+        assert s.value == v and s.get() == v and float(s) == v
+        for d, b0 in zip(ds, base):
+            assert d.effective_scale == v * 2.0
+            got = d.add_to(x, np.zeros(16, np.float32))
+            want = lora.LoraDelta(*d.lora_weights(), scale=v * 2.0, dtype=dtype).add_to(
+                x, np.zeros(16, np.float32))
+            assert_same_bits(got, want, f"scale {v}")
+    s.value = 0.25
+    assert all(d.effective_scale == 0.5 for d in ds)
+
+
 @pytest.mark.parametrize("case", sorted(_shared_scale_cases()))
 def test_shared_scale_is_read_once_per_call(case):
     """Deltas sharing one LoraScale in a stack or a bank: one value for the whole call.
@@ -302,110 +323,3 @@ def test_many_threads_many_deltas_match_serial():
     assert not any(t.is_alive() for t in threads), "a worker thread hung"
     assert not errors, errors[:3]
     assert not bad, f"deltas {sorted(set(bad))} gave results differing from their serial bits"
-
-
-# ----------------------------------------------------------------------------------- fork
-
-_FORK_SCRIPT = textwrap.dedent(r"""
-    import os, signal, sys, threading, time
-    import numpy as np
-    import lora
-
-    TIMEOUT = float(sys.argv[1])
-    MODE = sys.argv[2]
-    rng = np.random.default_rng(0)
-    # big enough that every call opens an OpenMP team in the parent
-    d = lora.LoraDelta(rng.standard_normal((16, 2053)), rng.standard_normal((2051, 16)))
-    bank = lora.LoraBank([d, None, lora.LoraStack([d, d])])
-    x = rng.standard_normal((9, 2053)).astype(np.float32)
-    ids = rng.integers(0, 2051, size=9)
-    aids = np.array([0, 2, -1, 1, 0, 2, 2, 0, -1])
-
-    def work():
-        return (d.add_batch_to(x, np.zeros((9, 2051), np.float32)),
-                d.add_to(x[0], np.zeros(2051, np.float32)),
-                d.add_rows_to(ids, np.zeros((9, 2053), np.float32)),
-                bank.add_batch_to(x, np.zeros((9, 2051), np.float32), aids))
-
-    def same(p, q):
-        return all(np.array_equal(a, b) for a, b in zip(p, q))
-
-    ref = work()   # the parent's OpenMP pool now exists
-    assert lora.get_num_threads() >= 1
-
-    busy_stop = threading.Event()
-    def busy():    # MODE=during: another thread keeps OpenMP teams busy while we fork
-        while not busy_stop.is_set():
-            work()
-    if MODE == "during":
-        t = threading.Thread(target=busy)
-        t.start()
-        time.sleep(0.05)
-
-    children = []
-    for round_ in range(3):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                ok = same(work(), ref) and same(work(), ref)
-                # a grandchild, too
-                gpid = os.fork()
-                if gpid == 0:
-                    os._exit(0 if same(work(), ref) else 1)
-                _, st = os.waitpid(gpid, 0)
-                code = 0 if ok and os.waitstatus_to_exitcode(st) == 0 else 1
-            except BaseException as exc:
-                print("child error:", repr(exc), flush=True)
-                code = 2
-            os._exit(code)
-        children.append(pid)
-        if not same(work(), ref):   # the parent's pool still works after fork
-            print("parent result changed after fork", flush=True)
-            sys.exit(4)
-
-    busy_stop.set()
-    if MODE == "during":
-        t.join()
-    deadline = time.monotonic() + TIMEOUT
-    failed = 0
-    for pid in children:
-        while True:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                code = os.waitstatus_to_exitcode(st)
-                if code != 0:
-                    print(f"child {pid} exited with {code}", flush=True)
-                    failed += 1
-                break
-            if time.monotonic() > deadline:
-                print(f"child {pid} hung: killed after {TIMEOUT} s", flush=True)
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                failed += 1
-                break
-            time.sleep(0.01)
-    print(f"forked {len(children)} children, {failed} failed; threads in parent "
-          f"{lora.get_num_threads()}", flush=True)
-    sys.exit(1 if failed else 0)
-""")
-
-
-@pytest.mark.parametrize("mode", ["after", "during"],
-                         ids=["fork-after-omp-work", "fork-while-another-thread-runs-omp"])
-def test_fork_after_openmp_work_child_finishes(mode, tmp_path):
-    if not lora.kernel_info()["openmp"]:
-        pytest.skip("built without OpenMP: nothing to stress")
-    script = tmp_path / "fork_stress.py"
-    script.write_text(_FORK_SCRIPT)
-    timeout = 20.0
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(lora.__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
-               PYTHONPATH=os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")])))
-    try:
-        proc = subprocess.run([sys.executable, str(script), str(timeout), mode], env=env,
-                              capture_output=True, text=True, timeout=timeout + 30)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the fork stress process hung past {timeout + 30} s: {exc.stdout!r}")
-    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout: {proc.stdout}\n"
-                                  f"stderr: {proc.stderr[-3000:]}")
