@@ -138,7 +138,7 @@ def torch_code(t):
     return (_TORCH_CODES or _torch_codes()).get(t.dtype)
 
 
-def _check_tensor_place(t, what):
+def check_tensor_place(t, what):
     """A CPU, strided (dense) tensor; TypeError naming the device or layout otherwise."""
     if not t.is_cpu:
         raise TypeError(f"{what} is a torch tensor on device {str(t.device)!r}; lora-kernels "
@@ -263,7 +263,7 @@ def check_out(out, shape, what="out", shown=None, *, batched=False):
                             f"through a copy); got {out.dtype}")
     elif is_tensor(out):
         tensor = True
-        _check_tensor_place(out, what)
+        check_tensor_place(out, what)
         code = torch_code(out)
         if code is None:
             raise TypeError(f"{what} must have dtype {_OUT_KINDS} (it is updated in place, never "
@@ -326,7 +326,7 @@ def float_array(value, what):
     """np.asarray(value), which must have a real floating dtype (else TypeError); a CPU torch
     tensor is viewed, not copied (bfloat16 through its bits)."""
     if is_tensor(value):
-        _check_tensor_place(value, what)
+        check_tensor_place(value, what)
         t = value.detach()
         if t.dtype == torch_module().bfloat16:
             from ._storage import bf16
@@ -357,7 +357,7 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
     for overlap with `out` first).  Returns (keep-alive object, pointer, code, ld).
     """
     if is_tensor(x):
-        _check_tensor_place(x, what)
+        check_tensor_place(x, what)
         xshape = tuple(x.shape)
         if not (x.dtype.is_floating_point):
             raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 or "
@@ -450,7 +450,7 @@ def as_scales(scales, what="scales"):
     """Per-position scales: a real (not bool) array-like or CPU tensor, as float64 C-contiguous
     (a float16/bfloat16 tensor is widened exactly)."""
     if is_tensor(scales):
-        _check_tensor_place(scales, what)
+        check_tensor_place(scales, what)
         torch = torch_module()
         if scales.dtype == torch.bool or scales.dtype.is_complex:
             raise TypeError(f"{what} must be real numbers (not bool); got dtype "
@@ -492,17 +492,17 @@ def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=Non
         raise ValueError("x and out overlap in memory; out must not alias x")
     if status == lib.LORA_ERR_INDEX:
         flat = ids.reshape(-1)
-        raise IndexError(f"token id {int(flat[pos])} at position {_where(ids, pos)} is out of "
+        raise IndexError(f"token id {int(flat[pos])} at position {position_of(ids, pos)} is out of "
                          f"range [0, {rows})")
     if status == lib.LORA_ERR_ADAPTER:
         flat = adapter_ids.reshape(-1)
         valid = "-1 (no adapter)" + (f" and 0..{n_entries - 1}" if n_entries else
                                      ", the bank has no entries")
-        raise IndexError(f"adapter id {int(flat[pos])} at position {_where(adapter_ids, pos)} is "
+        raise IndexError(f"adapter id {int(flat[pos])} at position {position_of(adapter_ids, pos)} is "
                          f"out of range: valid ids are {valid}")
     if status == lib.LORA_ERR_SCALE:
         if pos >= 0 and scales is not None:
-            raise ValueError(f"scales[{_where(scales, pos)}] = {scales.reshape(-1)[pos]!r} times "
+            raise ValueError(f"scales[{position_of(scales, pos)}] = {scales.reshape(-1)[pos]!r} times "
                              f"an effective scale is not finite in float32 (|s| must be below "
                              f"3.4e38)")
         raise ValueError("the effective scale (scale x alpha factor) is not finite in float32 "
@@ -514,7 +514,7 @@ def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=Non
     raise ValueError(f"lora-kernels: invalid arguments (status {status})")
 
 
-def _where(arr, flat_index):
+def position_of(arr, flat_index):
     """A flat position as the index of `arr` (an int for 1-D arrays, a tuple otherwise)."""
     if arr.ndim <= 1:
         return flat_index

@@ -271,5 +271,5 @@ def _no_free_slot(snap, adapter_ids):
     hit = np.flatnonzero(inside & snap.free[np.where(inside, flat, 0)])
     if hit.size:
         pos = int(hit[0])
-        raise IndexError(f"adapter id {int(flat[pos])} at position {A._where(ids, pos)} names a "
+        raise IndexError(f"adapter id {int(flat[pos])} at position {A.position_of(ids, pos)} names a "
                          f"free slot of the set (its adapter was removed)")

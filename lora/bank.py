@@ -29,10 +29,10 @@ class LoraBank:
         return self._table.n_entries
 
     def __getitem__(self, i):
-        return self._table._entries[i]
+        return self._table.entry(i)
 
     def __iter__(self):
-        return iter(list(self._table._entries))
+        return iter(self._table.entries)
 
     def __repr__(self):
         return f"LoraBank({len(self)} entries, base_shape={self.base_shape})"

@@ -428,7 +428,7 @@ def rows_args(ids, out, cols):
 def _w_array(w, rows, cols):
     """A NumPy view of `w` (never a copy) with its dtype code, after the merge-target checks."""
     if A.is_tensor(w):
-        A._check_tensor_place(w, "w")
+        A.check_tensor_place(w, "w")
         if w.requires_grad and not w.is_leaf:
             raise ValueError("w is a non-leaf tensor that requires grad: a merge writes it in "
                              "place, outside autograd; merge into the weight itself (a leaf such "
@@ -585,6 +585,14 @@ class EntryTable:
     @property
     def n_entries(self):
         return len(self._entries)
+
+    @property
+    def entries(self):
+        """The entries as given (a new list each time)."""
+        return list(self._entries)
+
+    def entry(self, i):
+        return self._entries[i]
 
     def scales(self):
         """double[] of each delta's effective scale; each distinct LoraScale read once, and only
@@ -758,7 +766,7 @@ class EntryTable:
             raise ValueError(f"x must have shape {shape[:-1] + ('cols',)} to match out "
                              f"{shape}; got {tuple(xa.shape)}")
         if A.is_tensor(xa):
-            A._check_tensor_place(xa, "x")
+            A.check_tensor_place(xa, "x")
             if not xa.dtype.is_floating_point:
                 raise TypeError(f"x must be a real floating array; got dtype {A.dtype_name(xa)}")
         A.no_overlap(xa, out)
@@ -778,7 +786,7 @@ class EntryTable:
         if tok.size and tok.min() < 0:
             pos = int(np.argmax(tok.reshape(-1) < 0))
             raise IndexError(f"token id {int(tok.reshape(-1)[pos])} at position "
-                             f"{A._where(tok, pos)} is out of range")
+                             f"{A.position_of(tok, pos)} is out of range")
         self._check_ids_only(adapter_ids, scales, tok.shape)
         return out
 
