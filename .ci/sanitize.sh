@@ -69,10 +69,16 @@ if ! ldd "$SO" | grep libasan >/dev/null; then
 fi
 ASAN_RT="$("$CC_BIN" -print-file-name=libasan.so)"
 [ -e "$ASAN_RT" ] || { log "FAIL: no ASan runtime at '$ASAN_RT'"; exit 1; }
+# libstdc++ right after the ASan runtime: CPython is C, so otherwise ASan's __cxa_throw
+# interceptor finds no real __cxa_throw and the first C++ exception torch throws (a
+# RuntimeError in Python) aborts the process instead.
+STDCXX="$("$CC_BIN" -print-file-name=libstdc++.so.6)"
+PRELOAD="$ASAN_RT"
+[ -e "$STDCXX" ] && PRELOAD="$ASAN_RT $STDCXX"
 
 san_env=(
     env
-    "LD_PRELOAD=$ASAN_RT"
+    "LD_PRELOAD=$PRELOAD"
     "ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:halt_on_error=1:abort_on_error=0:log_path=$WORK/logs/asan"
     "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:print_summary=1:report_error_type=1"
     "PYTHONMALLOC=malloc"
