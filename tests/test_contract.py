@@ -736,3 +736,16 @@ def test_omp_thread_limit_caps_the_reported_threads():
     env = dict(subprocess_env(), OMP_THREAD_LIMIT="1")
     res = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert res.stdout.split() == ["1", "1"], res.stderr
+
+
+def test_an_empty_id_array_is_fine_whatever_its_dtype():
+    """No id, nothing to misread: an empty float64 (NumPy's default), float32, bool or uint64
+    array is accepted like ``[]`` (a float id in a non-empty array is still a TypeError)."""
+    d = _delta(np.random.default_rng(5), 1.0)
+    bank = lora.LoraBank([d])
+    for ids in (np.array([]), np.array([], np.float32), [], np.array([], bool),
+                np.array([], np.uint64)):
+        assert d.add_rows_to(ids, np.zeros((0, COLS), np.float32)).shape == (0, COLS)
+        assert bank.add_rows_to(ids, np.zeros((0, COLS), np.float32), ids).shape == (0, COLS)
+    rejects(TypeError, ["integers", "float64"],
+            lambda: d.add_rows_to(np.array([1.0]), np.zeros((1, COLS), np.float32)))
