@@ -25,7 +25,6 @@ I64 = np.dtype(np.int64)
 I64_MAX = np.iinfo(np.int64).max
 DT_F32, DT_F16, DT_BF16 = lib.LORA_DTYPE_F32, lib.LORA_DTYPE_F16, lib.LORA_DTYPE_BF16
 _NP_CODES = {F32: DT_F32, F16: DT_F16}
-_ITEMSIZE = {DT_F32: 4, DT_F16: 2, DT_BF16: 2}
 _TORCH_CODES = None  # {torch.float32: DT_F32, ...}, filled at the first tensor
 _VOIDP = ffi.typeof("void *")
 
@@ -67,12 +66,6 @@ def torch_module():
 def is_tensor(obj):
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def tensor_type():
-    """torch.Tensor when torch is imported, else None (for `type(obj) is ...` fast paths)."""
-    torch = sys.modules.get("torch")
-    return torch.Tensor if torch is not None else None
 
 
 def tensor_vec(x, out, xshape, oshape):
@@ -146,10 +139,6 @@ def check_tensor_place(t, what):
     if t.layout != torch_module().strided:
         raise TypeError(f"{what} is a torch tensor with layout {t.layout}; a dense (strided) "
                         f"tensor is needed")
-
-
-def kind_name(obj):
-    return "torch.Tensor" if is_tensor(obj) else type(obj).__name__
 
 
 def dtype_name(obj):

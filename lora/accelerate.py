@@ -17,12 +17,11 @@ import weakref
 import numpy as np
 
 from .delta import EntryTable, LoraDelta, LoraStack
-from .scale import LoraScale
+from .scale import F32_OVERFLOW, LoraScale
 
 __all__ = ["accelerate_peft", "PeftAcceleration"]
 
 _DTYPES = None  # {torch dtype: storage name}
-_F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103  # doubles from here on round to inf in float32
 _ACCELERATED = weakref.WeakKeyDictionary()  # model -> its PeftAcceleration while active
 _LAYERS = weakref.WeakKeyDictionary()  # PEFT layer module -> its _Layer while accelerated
 
@@ -409,7 +408,7 @@ class _Layer:
             if why is None:
                 for a, v in zip(names, views):
                     scale = self._scale(a)
-                    if not abs(scale) < _F32_OVERFLOW:  # PEFT's own forward gives inf/nan then
+                    if not abs(scale) < F32_OVERFLOW:  # PEFT's own forward gives inf/nan then
                         why = f"adapter {a!r} scaling {scale!r} is not finite in float32"
                         break
                     v.scale.set(scale)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .delta import LoraDelta, peft_delta
 from .errors import LoraFormatError, LoraShapeError
-from .scale import LoraScale
+from .scale import F32_OVERFLOW, LoraScale
 
 __all__ = ["LoraAdapter"]
 
@@ -321,7 +321,6 @@ class Pair:
         self.tensors = tensors                        # the file's two tensor names, for messages
 
 
-_F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103  # doubles from here on round to inf in float32
 
 
 def format_error(path, what, tensor=None, key=None, pair=None):
@@ -393,7 +392,7 @@ def build_adapter(pairs, *, path, name, alpha, scale, dtype, invocation_tokens=N
             raise
         except (ValueError, TypeError) as exc:
             raise format_error(path, f"cannot be stored as {storage}: {exc}", pair=p.tensors) from exc
-        if not abs(delta.effective_scale) < _F32_OVERFLOW:
+        if not abs(delta.effective_scale) < F32_OVERFLOW:
             raise format_error(path, f"alpha {p.alpha:g} at rank {delta.rank} gives the effective "
                                      f"scale {delta.effective_scale:g} (scale x alpha factor), "
                                      f"which is not finite in float32", pair=p.tensors)

@@ -415,8 +415,8 @@ def rows_args(ids, out, cols):
         A.check_out(out, None, shown=f"(n, {cols})")  # always raises: not an array
     tok = A.as_ids(ids, "ids", any_shape=True)
     if tok.ndim == 0:
-        raise ValueError(f"ids must have at least one axis (a 0-d id is add_row_to's); got a "
-                         f"0-d array")
+        raise ValueError("ids must have at least one axis (a 0-d id is add_row_to's); got a "
+                         "0-d array")
     if len(out.shape) >= 1 and tuple(out.shape[:-1]) != tok.shape and tok.ndim == 1 \
             and len(out.shape) == 2 and out.shape[-1] == cols:
         raise ValueError(f"ids has {tok.shape[0]} ids; out has {out.shape[0]} positions")

@@ -6,7 +6,8 @@ __all__ = ["LoraScale"]
 
 # Doubles at or above this magnitude round to inf in float32 (round to nearest even: halfway
 # between float32's largest value, (2 - 2**-23) * 2**127, and 2**128); everything below is finite.
-_F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
+# The one threshold for every Python-side "finite in float32" check (scales, alphas, PEFT scaling).
+F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
 
 # Bumped by every set(): a stack or bank compares it with the value it saw at its last call, and
 # reads its scales again only when some LoraScale changed (a call then costs no per-scale work).
@@ -45,7 +46,7 @@ class LoraScale:
             raise TypeError(f"LoraScale value must be a real number, got {value!r}") from None
         if not math.isfinite(v):
             raise ValueError(f"LoraScale value must be finite, got {v}")
-        if abs(v) >= _F32_OVERFLOW:     # the kernels compute in float32, where it would be inf
+        if abs(v) >= F32_OVERFLOW:     # the kernels compute in float32, where it would be inf
             raise ValueError(f"LoraScale value must be finite in float32 (|value| <= "
                              f"3.4028235e+38), got {v!r}")
         self._value = v
