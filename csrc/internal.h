@@ -14,7 +14,7 @@
  * process is a child after fork() (a GNU OpenMP pool does not survive it) */
 const lora_kernel_table *lora_active_kernels(void);
 int lora_forked(void);
-/* seconds on a monotonic clock (omp_get_wtime; 0 without OpenMP): the team policy's timer */
+/* seconds on a monotonic clock (CLOCK_MONOTONIC, else omp_get_wtime, else 0): the team policy's timer */
 double lora_now(void);
 
 /* delta.c: 64-byte aligned memory (posix_memalign / _aligned_malloc) */

@@ -18,6 +18,7 @@
 #endif
 #if !defined(_WIN32)
 #include <pthread.h>
+#include <time.h>
 #endif
 
 static const lora_kernel_table *g_kt = &lora_kernels_scalar;
@@ -156,8 +157,15 @@ static int64_t g_team_calls = 0, g_team_lost = 0;
 #define LOAD_(v) __atomic_load_n(&(v), __ATOMIC_RELAXED)
 #define STORE_(v, x) __atomic_store_n(&(v), (x), __ATOMIC_RELAXED)
 
+/* CLOCK_MONOTONIC where POSIX has it: LLVM's libomp implements omp_get_wtime
+ * with gettimeofday, whose seconds since 1970 keep only ~0.24 us in a double
+ * and may step backwards; libgomp's is monotonic already. */
 double lora_now(void) {
-#ifdef _OPENMP
+#if defined(CLOCK_MONOTONIC) && !defined(_WIN32)
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+#elif defined(_OPENMP)
     return omp_get_wtime();
 #else
     return 0.0;
@@ -192,8 +200,8 @@ void lora_team_report(double wall, double busy) {
 
 double lora_team_backoff(void) {
     const int64_t until = LOAD_(g_solo_until);
-    const double left = until ? until * 1e-9 - lora_now() : 0.0;
-    return left > 0.0 ? left : 0.0;
+    const int64_t left = until ? until - (int64_t)(lora_now() * 1e9) : 0;
+    return left > 0 ? (double)left * 1e-9 : 0.0;
 }
 
 void lora_team_stats(int64_t *calls, int64_t *lost) {
