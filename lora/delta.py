@@ -23,7 +23,6 @@ from .scale import LoraScale
 __all__ = ["LoraDelta", "LoraStack"]
 
 _ndarray = np.ndarray
-_F32_MAX = float(np.finfo(np.float32).max)
 _F32 = A.F32
 _F64 = np.dtype(np.float64)
 _I64 = A.I64
@@ -72,8 +71,9 @@ def _base_shape(base_shape):
 
 
 def _finite_scale(s):
-    """The effective scale of an offline op; ValueError unless finite in float32."""
-    if not abs(s) <= _F32_MAX:
+    """The effective scale of an offline op; ValueError unless finite in float32 (the kernels'
+    rule: a double that rounds to a finite float32 is finite)."""
+    if not abs(s) < _scale_mod.F32_OVERFLOW:
         raise ValueError(f"the effective scale {s} (scale x alpha factor) is not finite in "
                          f"float32")
     return s

@@ -699,6 +699,29 @@ def test_non_finite_effective_scale_is_refused(alpha, scale):
     rejects(ValueError, ["scale"], lambda: lora.LoraStack([d]).add_to(np.ones(5), out), out)
 
 
+def test_effective_scale_finite_only_after_rounding_is_accepted_everywhere():
+    """A double a hair past FLT_MAX that rounds to FLT_MAX in float32 is a finite scale, for the
+    kernels and the offline ops alike (one rule); the next double that rounds to inf is not."""
+    flt_max = float(np.finfo(np.float32).max)
+    edge = np.nextafter(2.0 ** 128 - 2.0 ** 103, 0.0)  # the largest double rounding to FLT_MAX
+    assert np.float32(edge) == flt_max and edge > flt_max
+    zero_a = np.zeros((2, 5))  # B @ A == 0: the sums stay finite at any scale
+    d = lora.LoraDelta(zero_a, np.ones((6, 2)), alpha=edge / 1e3 * 2, scale=1e3)
+    assert d.effective_scale > flt_max
+    out = rand(np.random.default_rng(44), 6)
+    before = out.copy()
+    d.add_to(np.ones(5, np.float32), out)
+    np.testing.assert_array_equal(out, before)
+    w = rand(np.random.default_rng(45), (6, 5))
+    w0 = w.copy()
+    d.merge_into(w)
+    np.testing.assert_array_equal(w, w0)
+    assert not d.delta_weight().any()
+    over = lora.LoraDelta(zero_a, np.ones((6, 2)), alpha=2.0 ** 128 / 1e3 * 2, scale=1e3)
+    rejects(ValueError, ["scale"], lambda: over.merge_into(w), w)
+    rejects(ValueError, ["scale"], lambda: over.add_to(np.ones(5, np.float32), out), out)
+
+
 @pytest.mark.parametrize("kwargs,exc", [
     (dict(base_shape="65"), ValueError),
     (dict(base_shape=(6.9, 5.2)), TypeError),
