@@ -70,11 +70,17 @@ def is_tensor(obj):
 
 def tensor_vec(x, out, xshape, oshape):
     """The fast path for plain contiguous CPU tensors of the exact 1-D shapes: (x address, code,
-    out address, code), or None to take the checked path (which also raises every error)."""
+    out address, code), or None to take the checked path (which also raises every error).
+
+    The neg bit of a tensor (the imaginary part of a conjugated complex tensor is a lazily
+    negated view) is not read here: such a view has stride 2, so it is contiguous only with one
+    element (or through torch's private ``_neg_view``), and one-element x or out rows take the
+    checked path, which resolves the bit."""
     try:
         codes = _TORCH_CODES or _torch_codes()
         xc, oc = codes.get(x.dtype), codes.get(out.dtype)
-        if (xc is None or oc is None or not (x.is_cpu and out.is_cpu) or out.requires_grad
+        if (xc is None or oc is None or xshape[0] <= 1 or oshape[0] <= 1
+                or not (x.is_cpu and out.is_cpu) or out.requires_grad
                 or x.shape != xshape or out.shape != oshape
                 or not (x.is_contiguous() and out.is_contiguous())):
             return None
@@ -90,7 +96,8 @@ def tensor_batch(x, out, cols, rows):
     try:
         codes = _TORCH_CODES or _torch_codes()
         xc, oc = codes.get(x.dtype), codes.get(out.dtype)
-        if xc is None or oc is None or not (x.is_cpu and out.is_cpu) or out.requires_grad:
+        if (xc is None or oc is None or cols <= 1 or rows <= 1 or not (x.is_cpu and out.is_cpu)
+                or out.requires_grad):
             return None
         xs, os_ = x.shape, out.shape
         nd = len(os_)
@@ -268,6 +275,10 @@ def check_out(out, shape, what="out", shown=None, *, batched=False):
             raise ValueError(f"{what} requires grad: an in-place write into it would not be seen "
                              f"by autograd; pass a tensor that does not require grad (e.g. under "
                              f"torch.no_grad(), or .detach())")
+        if out.is_neg():
+            raise ValueError(f"{what} is a lazily negated view (the imaginary part of a "
+                             f"conjugated complex tensor): its memory holds the negated values; "
+                             f"call .resolve_neg() on the tensor it views, or pass another out")
         ptr, strides, size = out.data_ptr(), tuple(out.stride()), out.element_size()
         note_write(out)
     else:
@@ -316,7 +327,7 @@ def float_array(value, what):
     tensor is viewed, not copied (bfloat16 through its bits)."""
     if is_tensor(value):
         check_tensor_place(value, what)
-        t = value.detach()
+        t = value.detach().resolve_neg()
         if t.dtype == torch_module().bfloat16:
             from ._storage import bf16
 
@@ -352,7 +363,7 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
             raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 or "
                             f"float64); got dtype {dtype_name(x)}")
         _check_shape(xshape, shape, what, lead_of)
-        code = torch_code(x)
+        code = torch_code(x) if not x.is_neg() else None  # a lazily negated view: resolved
         if code is not None:
             strides = tuple(x.stride())
             layout = _layout(shape, strides) if batched else (
@@ -360,7 +371,7 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
             if layout is not None and x.data_ptr() % x.element_size() == 0:
                 return x, ffi.cast(_VOIDP, x.data_ptr()), code, layout[1]
         no_overlap(x, out)
-        copy = x.detach().to(device="cpu", dtype=torch_module().float32).contiguous()
+        copy = x.detach().resolve_neg().to(device="cpu", dtype=torch_module().float32).contiguous()
         if copy.data_ptr() == x.data_ptr():
             copy = copy.clone()
         return copy, ffi.cast(_VOIDP, copy.data_ptr()), DT_F32, shape[-1]
@@ -400,6 +411,9 @@ def as_ids(ids, what, shape=None, *, any_shape=False):
         big = [i for i, v in enumerate(ids) if not -2**63 <= v <= I64_MAX]
         if big:  # NumPy would make these an object or float array
             raise IndexError(f"{what}: id {ids[big[0]]} at position {big[0]} is out of range")
+    if is_tensor(ids):
+        check_tensor_place(ids, what)
+        ids = ids.detach().resolve_neg()
     arr = np.asarray(ids)
     if arr.size == 0 and arr.dtype.kind in "fb" or arr.size == 0 and arr.dtype == object:
         arr = arr.astype(I64)  # no id, nothing to misread, whatever the empty array's dtype
@@ -444,7 +458,7 @@ def as_scales(scales, what="scales"):
         if scales.dtype == torch.bool or scales.dtype.is_complex:
             raise TypeError(f"{what} must be real numbers (not bool); got dtype "
                             f"{dtype_name(scales)}")
-        scales = scales.detach().to(torch.float64).numpy()
+        scales = scales.detach().resolve_neg().to(torch.float64).numpy()
     arr = np.asarray(scales)
     if arr.dtype.kind == "b" or not (arr.dtype.kind in "iuf" or is_bf16(arr.dtype)):
         raise TypeError(f"{what} must be real numbers (not bool); got dtype {arr.dtype}")

@@ -437,6 +437,10 @@ def _w_array(w, rows, cols):
         if code is None:
             raise TypeError(f"w must have dtype float32, float16 or bfloat16 (it is updated in "
                             f"place); got {A.dtype_name(w)}")
+        if w.is_neg():
+            raise ValueError("w is a lazily negated view (the imaginary part of a conjugated "
+                             "complex tensor): its memory holds the negated values; merge into "
+                             "a resolved tensor")
         shape, strides = tuple(w.shape), tuple(w.stride())
         if shape != (rows, cols):
             raise ValueError(f"w must have shape ({rows}, {cols}) = [rows, cols]; got {shape}")

@@ -228,3 +228,54 @@ def test_ids_and_scales_inside_out_are_read_before_any_write(isa):
     want = bank.add_batch_to(x, out.copy(), aid.copy(), sc.copy())
     assert bank.add_batch_to(x, out, aid, sc).tobytes() == want.tobytes()
 
+
+
+def test_lazily_negated_views_are_read_by_value_and_never_written():
+    """The imaginary part of a conjugated complex tensor is a view with torch's neg bit: its
+    memory holds -value.  As x, ids, scales or delta factors it is read by value (one element
+    included, where the view counts as contiguous); as out or w it is refused, untouched."""
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(3, 4, dtype=torch.complex64, generator=gen).conj().imag  # [rank, cols]
+    b = torch.randn(5, 3, dtype=torch.complex64, generator=gen).conj().imag  # [rows, rank]
+    assert a.is_neg() and b.is_neg()
+    d = lora.LoraDelta(a, b)
+    a_np, b_np = d.lora_weights()
+    np.testing.assert_array_equal(a_np, a.resolve_neg().numpy())
+    np.testing.assert_array_equal(b_np, b.resolve_neg().numpy())
+    x = torch.randn(2, 4, dtype=torch.complex64, generator=gen).conj().imag
+    want = x.resolve_neg().numpy().astype(np.float64) @ a_np.T.astype(np.float64) @ b_np.T
+    out = torch.zeros(2, 5)
+    d.add_batch_to(x, out)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+    out = torch.zeros(5)
+    d.add_to(x[0], out)
+    np.testing.assert_allclose(out.numpy(), want[0], rtol=1e-5, atol=1e-6)
+    # one element: cols == 1 and rows == 1, the view is contiguous
+    one = lora.LoraDelta(np.ones((1, 1)), np.ones((1, 1)))
+    x1 = torch.tensor([2 + 3j], dtype=torch.complex64).conj().imag  # holds 3, reads -3
+    assert x1.is_contiguous() and x1.is_neg()
+    out1 = torch.zeros(1)
+    one.add_to(x1, out1)
+    assert out1.item() == -3.0
+    out1 = torch.zeros(1, 1)
+    one.add_batch_to(x1.reshape(1, 1), out1)
+    assert out1.item() == -3.0
+    # ids and per-position scales
+    bank = lora.LoraBank([d, None])
+    ids = torch.tensor([0, -0], dtype=torch.int64)
+    sc = torch.tensor([1 + 2j, 1 - 0.5j], dtype=torch.complex128).conj().imag  # -2.0, 0.5
+    out = torch.zeros(2, 5)
+    bank.add_batch_to(x, out, ids, sc)
+    np.testing.assert_allclose(out.numpy(), want * np.array([[-2.0], [0.5]]), rtol=1e-5,
+                               atol=1e-6)
+    # out and w: refused, untouched
+    for call, target in (
+            (lambda t: d.add_batch_to(x, t), torch.zeros(2, 5, dtype=torch.complex64)),
+            (lambda t: d.add_to(x[0], t), torch.zeros(5, dtype=torch.complex64)),
+            (lambda t: one.add_to(x1, t), torch.zeros(1, dtype=torch.complex64)),
+            (lambda t: d.merge_into(t), torch.zeros(5, 4, dtype=torch.complex64))):
+        neg = target.conj().imag
+        before = target.clone()
+        with pytest.raises(ValueError, match="negated"):
+            call(neg)
+        assert torch.equal(target, before)
