@@ -28,6 +28,9 @@ _F64 = np.dtype(np.float64)
 _I64 = A.I64
 _DT_F32 = A.DT_F32
 _from_buffer = ffi.from_buffer
+# from_buffer(_CHARS, out, True) asks for a writable buffer at half the cost of the keyword form
+# (cffi's keyword parsing measured ~0.2 us per call)
+_CHARS = ffi.typeof("char[]")
 _cast = ffi.cast
 _VOIDP = ffi.typeof("void *")
 _NULL = ffi.NULL
@@ -262,7 +265,7 @@ class LoraDelta:
                 and x.shape == self._xshape and out.shape == self._oshape):
             try:  # the common case: no conversion, no copy, no further check
                 xp = _from_buffer(x)
-                op = _from_buffer(out, require_writable=True)
+                op = _from_buffer(_CHARS, out, True)
             except ValueError:
                 x, xp, xc, op, oc = self._vec_args(x, out)
         elif type(out) is not _ndarray and (
@@ -303,7 +306,7 @@ class LoraDelta:
                 and x.shape == (out.shape[0], self._cols)):
             try:  # C-contiguous arrays of the right shapes: no conversion, no copy
                 xp, ldx = _from_buffer(x), self._cols
-                op, ldo = _from_buffer(out, require_writable=True), self._rows
+                op, ldo = _from_buffer(_CHARS, out, True), self._rows
                 batch = out.shape[0]
             except ValueError:
                 x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
@@ -693,7 +696,7 @@ class EntryTable:
             elif scales is not None:
                 return None
             xp = _from_buffer(x)
-            op = _from_buffer(out, require_writable=True)
+            op = _from_buffer(_CHARS, out, True)
         except ValueError:  # not contiguous: the general path
             return None
         if not n:
