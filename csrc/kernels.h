@@ -42,6 +42,8 @@
  * static inline helpers (dt, xt, ot: compile-time LORA_DTYPE_* constants):
  *   project_(a, lda, cols, k0, k1, nb, xs, t, ldt, dt, xt)
  *   accumulate_(terms, n_terms, i0, i1, nb, outs, ot)
+ *                                 (the SIMD files get it, and the strip and
+ *                                 stack plumbing, from kernels_strip.h)
  *   widen_(src, n, dst, dt)       float16/bfloat16 -> float32, exact
  *   read_(buf, n)                 the benchmark's bandwidth probe
  * and then one line, LORA_KERNEL_TABLE(isa), which generates the entry

@@ -337,8 +337,8 @@ INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int6
         term_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, obase, dt, 0);
 }
 
-INLINE_ void term_dt_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
-                      int64_t obase, const int dt) {
+INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
+                   int64_t obase, const int dt) {
     switch (nb) {
     case 1: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 1, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
     case 2: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 2, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
@@ -399,25 +399,6 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
     }
 }
 
-INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
-                    float *const *outs, int64_t obase) {
-    for (int q = 0; q < n_terms; q++) {
-        if (terms[q].by_row) {
-            switch (terms[q].dtype) {
-            case LORA_DTYPE_F32: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
-            case LORA_DTYPE_F16: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
-            default: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
-            }
-            continue;
-        }
-        switch (terms[q].dtype) {
-        case LORA_DTYPE_F32: term_dt_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
-        case LORA_DTYPE_F16: term_dt_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
-        default: term_dt_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
-        }
-    }
-}
-
 INLINE_ void widen_(const void *src, int64_t n, float *dst, const int dt) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_f32x16_(src, i, dt));
@@ -449,30 +430,7 @@ INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
     }
 }
 
-INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
-                         void *const *outs, const int ot) {
-    if (ot == LORA_DTYPE_F32) {
-        /* a strip of outputs stays in L1 while every term adds into it */
-        for (int64_t i = i0; i < i1; i += LORA_STRIP)
-            terms_(terms, n_terms, i, i + LORA_STRIP < i1 ? i + LORA_STRIP : i1, nb,
-                   (float *const *)outs, 0);
-        return;
-    }
-    int touched[LORA_NB] = {0};
-    for (int q = 0; q < n_terms; q++)
-        for (int b = 0; b < nb; b++) touched[b] |= terms[q].scale[b] != 0.0f;
-    float strip[LORA_NB][LORA_STRIP];
-    float *so[LORA_NB];
-    for (int b = 0; b < nb; b++) so[b] = strip[b];
-    for (int64_t i = i0; i < i1; i += LORA_STRIP) {
-        const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
-        for (int b = 0; b < nb; b++)
-            if (touched[b]) widen_((const uint16_t *)outs[b] + i, n, strip[b], ot);
-        terms_(terms, n_terms, i, i + n, nb, so, i);  /* output i at strip[b][i - i_strip] */
-        for (int b = 0; b < nb; b++)
-            if (touched[b]) narrow_(strip[b], n, (uint16_t *)outs[b] + i, ot);
-    }
-}
+#include "kernels_strip.h"
 
 /* 4 independent adds in flight: two 64-byte loads per cycle from L1 */
 INLINE_ double read_(const float *buf, int64_t n) {

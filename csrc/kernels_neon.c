@@ -224,25 +224,6 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
     }
 }
 
-INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
-                    float *const *outs, int64_t obase) {
-    for (int q = 0; q < n_terms; q++) {
-        if (terms[q].by_row) {
-            switch (terms[q].dtype) {
-            case LORA_DTYPE_F32: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
-            case LORA_DTYPE_F16: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
-            default: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
-            }
-            continue;
-        }
-        switch (terms[q].dtype) {
-        case LORA_DTYPE_F32: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
-        case LORA_DTYPE_F16: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
-        default: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
-        }
-    }
-}
-
 INLINE_ void widen_(const void *src, int64_t n, float *dst, const int dt) {
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, load_f32x4_(src, i, dt));
@@ -273,31 +254,7 @@ INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
     for (; i < n; i++) lora_store_f32(dst, i, src[i], ot);
 }
 
-INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
-                         void *const *outs, const int ot) {
-    if (ot == LORA_DTYPE_F32) {
-        /* a strip of outputs stays in L1 while every term adds into it */
-        for (int64_t i = i0; i < i1; i += LORA_STRIP)
-            terms_(terms, n_terms, i, i + LORA_STRIP < i1 ? i + LORA_STRIP : i1, nb,
-                   (float *const *)outs, 0);
-        return;
-    }
-    int touched[LORA_NB] = {0};
-    for (int q = 0; q < n_terms; q++)
-        for (int b = 0; b < nb; b++) touched[b] |= terms[q].scale[b] != 0.0f;
-    float strip[LORA_NB][LORA_STRIP];
-    for (int64_t i = i0; i < i1; i += LORA_STRIP) {
-        const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
-        float *so[LORA_NB];
-        for (int b = 0; b < nb; b++) {
-            so[b] = strip[b];  /* output i at strip[b][i - i_strip] */
-            if (touched[b]) widen_((const uint16_t *)outs[b] + i, n, strip[b], ot);
-        }
-        terms_(terms, n_terms, i, i + n, nb, so, i);
-        for (int b = 0; b < nb; b++)
-            if (touched[b]) narrow_(strip[b], n, (uint16_t *)outs[b] + i, ot);
-    }
-}
+#include "kernels_strip.h"
 
 /* 4 independent adds in flight: enough to keep two load pipes busy from L1 */
 INLINE_ double read_(const float *buf, int64_t n) {

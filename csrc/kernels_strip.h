@@ -1,0 +1,62 @@
+/*
+ * kernels_strip.h - the stack/strip plumbing the SIMD kernel files share
+ * (AVX2, AVX-512, NEON; the portable file keeps its own, simpler one).
+ *
+ * Included by an ISA file inside its target region, after it has defined
+ * INLINE_ and these static inline helpers (dt, ot: compile-time LORA_DTYPE_*):
+ *   term_(term, i0, i1, nb, outs, obase, dt)      one term by rank (M = B^T or A)
+ *   term_rows_(term, i0, i1, nb, outs, obase, dt) one term by output (by_row)
+ *   widen_(src, n, dst, dt)     float16/bfloat16 -> float32, exact
+ *   narrow_(src, n, dst, ot)    float32 -> float16/bfloat16, nearest even
+ * where outs[b] + (i - obase) is output i of position b.  It defines
+ * terms_() and accumulate_(), the latter being what LORA_KERNEL_TABLE needs.
+ * No include guard: every SIMD file compiles its own copy for its target.
+ */
+
+/* every term of a stack, in order, into the float32 outputs [i0, i1) */
+INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
+                    float *const *outs, int64_t obase) {
+    for (int q = 0; q < n_terms; q++) {
+        if (terms[q].by_row) {
+            switch (terms[q].dtype) {
+            case LORA_DTYPE_F32: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
+            case LORA_DTYPE_F16: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
+            default: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
+            }
+            continue;
+        }
+        switch (terms[q].dtype) {
+        case LORA_DTYPE_F32: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
+        case LORA_DTYPE_F16: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
+        default: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
+        }
+    }
+}
+
+/* a float32 out is updated in place strip by strip; a half out is widened into
+ * an L1 strip, every term adds into it in order, then it is rounded once */
+INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
+                         void *const *outs, const int ot) {
+    if (ot == LORA_DTYPE_F32) {
+        /* a strip of outputs stays in L1 while every term adds into it */
+        for (int64_t i = i0; i < i1; i += LORA_STRIP)
+            terms_(terms, n_terms, i, i + LORA_STRIP < i1 ? i + LORA_STRIP : i1, nb,
+                   (float *const *)outs, 0);
+        return;
+    }
+    int touched[LORA_NB] = {0};
+    for (int q = 0; q < n_terms; q++)
+        for (int b = 0; b < nb; b++) touched[b] |= terms[q].scale[b] != 0.0f;
+    float strip[LORA_NB][LORA_STRIP];
+    for (int64_t i = i0; i < i1; i += LORA_STRIP) {
+        const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
+        float *so[LORA_NB];
+        for (int b = 0; b < nb; b++) {
+            so[b] = strip[b];  /* output i at strip[b][i - i_strip] */
+            if (touched[b]) widen_((const uint16_t *)outs[b] + i, n, strip[b], ot);
+        }
+        terms_(terms, n_terms, i, i + n, nb, so, i);
+        for (int b = 0; b < nb; b++)
+            if (touched[b]) narrow_(strip[b], n, (uint16_t *)outs[b] + i, ot);
+    }
+}
