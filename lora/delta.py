@@ -388,9 +388,9 @@ class LoraDelta:
         (a ``Parameter`` that requires grad is fine: a merge is a weight update outside autograd,
         as PEFT's merge is), C-contiguous or the transposed view of a C-contiguous
         ``[cols, rows]`` array (PEFT ``fan_in_fan_out`` bases).  The sum is formed in float64
-        and rounded once to ``w``'s dtype; a result that would overflow that dtype is a
-        ValueError and ``w`` is left untouched.  Scale 0 leaves ``w`` bit-identical.  Uses
-        NumPy (not covered by the bitwise guarantee)."""
+        (``B @ A`` by NumPy's GEMM, the rest in C) and rounded once to ``w``'s dtype; a result
+        that would overflow that dtype is a ValueError and ``w`` is left untouched.  Scale 0
+        leaves ``w`` bit-identical.  Not covered by the bitwise guarantee (the GEMM's order)."""
         return merge_(w, [(self, 1.0)], self._rows, self._cols)
 
     def unmerge_from(self, w):
@@ -475,13 +475,16 @@ def _w_array(w, rows, cols):
     return w, code
 
 
-# rows of w merged per step: bounds the float64 temporaries (~8 MiB per 1024 columns)
+# rows of w per step: bounds the float64 products (8 KiB per column per term at 1024 rows)
 _MERGE_ROWS = 1024
+_DOUBLES = ffi.typeof("double[]")
 
 
 def merge_(w, terms, rows, cols):
-    """w += sum of sign * s * B @ A over (delta, sign) terms, in float64, rounded once to w's
-    dtype; every scale checked and the whole result checked for overflow before w is written."""
+    """w += sum of sign * s * B @ A over (delta, sign) terms: each product formed in float64 by
+    NumPy's GEMM, a block of rows at a time, then one C pass per block adds the terms in order in
+    double and rounds once into w's dtype.  Nothing is written unless no element can overflow:
+    a bound from max |w| and the factors proves it, or a checking sweep finds none."""
     arr, code = _w_array(w, rows, cols)
     live = []
     for d, sign in terms:
@@ -491,24 +494,50 @@ def merge_(w, terms, rows, cols):
     if not live:
         return w
     name = {A.DT_F32: "float32", A.DT_F16: "float16", A.DT_BF16: "bfloat16"}[code]
-    result = np.empty((rows, cols), arr.dtype)
-    for r0 in range(0, rows, _MERGE_ROWS):
-        sl = slice(r0, min(rows, r0 + _MERGE_ROWS))
-        acc = arr[sl].astype(np.float64)
-        for d, s in live:
-            acc += d._delta64(s, sl)
-        rounded = S.round_to(acc, name)
-        # an element that was finite in w and is not now overflowed; one that was inf or nan
-        # already stays so, as w + delta would leave it
-        grown = ~np.isfinite(rounded.astype(np.float32)) & np.isfinite(arr[sl].astype(np.float32))
-        if grown.any():
-            i, j = (int(v) for v in np.argwhere(grown)[0])
-            verb = "unmerging from" if all(sg < 0 for _, sg in terms) else "merging into"
-            raise ValueError(f"{verb} w overflows its dtype {name} at [{r0 + i}, {j}]: "
-                             f"{acc[i, j]:g} (largest finite: {S.LARGEST[name]:g}); w is left "
-                             f"untouched")
-        result[sl] = rounded.view(arr.dtype)
-    arr[...] = result
+    # w's memory order: a transposed w (fan_in_fan_out) is the C-contiguous [cols, rows] array
+    # arr.T, whose products are A^T @ B^T
+    flip = rows > 1 and cols > 1 and not arr.flags.c_contiguous
+    base = arr.T if flip else arr
+    n_rows, n_cols = base.shape
+    factors, scales = [], []
+    bound = 0.0
+    for d, s in live:
+        a, b = (f.astype(np.float64) for f in d.lora_weights())
+        left, right = (a.T, b.T) if flip else (b, a)
+        left, right = np.ascontiguousarray(left), np.ascontiguousarray(right)
+        factors.append((left, right))
+        scales.append(s)
+        bound += abs(s) * float(np.abs(left).sum(axis=1).max(initial=0.0)) * float(
+            np.abs(right).max(initial=0.0))
+    size = base.itemsize
+    target = base if base.__array_interface__["data"][0] % size == 0 else base.copy()
+    ptr = target.__array_interface__["data"][0]  # a w at an odd byte offset: an aligned copy
+    bound += lib.lora_abs_max(ffi.cast(_VOIDP, ptr), code, n_cols, n_rows, n_cols)
+    # |result| <= bound, up to float64 rounding: below the largest finite value, no overflow
+    safe = bound * (1.0 + 1e-9) < S.LARGEST[name]
+    block = min(_MERGE_ROWS, n_rows)
+    bufs = [np.empty((block, n_cols)) for _ in factors]
+    dptrs = ffi.new("double *[]", [ffi.cast("double *", ffi.from_buffer(_DOUBLES, buf))
+                                   for buf in bufs])
+    sc = ffi.new("double[]", scales)
+    for write in ((1,) if safe else (0, 1)):
+        for r0 in range(0, n_rows, block):
+            r1 = min(n_rows, r0 + block)
+            for (left, right), buf in zip(factors, bufs):
+                np.matmul(left[r0:r1], right, out=buf[:r1 - r0])
+            bad = lib.lora_merge_rows(ffi.cast(_VOIDP, ptr + r0 * n_cols * size), code, n_cols,
+                                      r1 - r0, n_cols, len(bufs), dptrs, sc, write)
+            if bad >= 0:
+                bi, bj = r0 + bad // n_cols, bad % n_cols
+                acc = float(target[bi, bj].astype(np.float64))
+                for (left, right), s in zip(factors, scales):
+                    acc = acc + s * float(left[bi] @ right[:, bj])
+                i, j = (bj, bi) if flip else (bi, bj)
+                verb = "unmerging from" if all(sg < 0 for _, sg in terms) else "merging into"
+                raise ValueError(f"{verb} w overflows its dtype {name} at [{i}, {j}]: {acc:g} "
+                                 f"(largest finite: {S.LARGEST[name]:g}); w is left untouched")
+    if target is not base:
+        base[...] = target
     if A.is_tensor(w):  # an in-place update, as torch's own ops record it
         A.torch_module().autograd.graph.increment_version(w)
     return w

@@ -319,6 +319,71 @@ def test_merge_rounds_once_into_w(wdt, transposed, dtype):
                        else base.astype(np.float64), atol=0.05, rtol=0.02)
 
 
+def _merge_want(w, terms, wdt):
+    """w + each term's s * (B @ A) in float64, in order, rounded once to w's dtype."""
+    exact = w.astype(np.float64)
+    for d, sign in terms:
+        a, b = d.lora_weights()
+        exact = exact + (sign * d.effective_scale) * (b.astype(np.float64) @ a.astype(np.float64))
+    return rne_bf16(exact) if wdt == "bfloat16" else exact.astype(ACT[wdt])
+
+
+@pytest.mark.parametrize("wdt", ACT_NAMES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_merge_blocks_and_checking_sweep_give_the_same_bits(wdt, transposed, monkeypatch):
+    """Blocks of rows (here 4), stacks (terms in order), values down to float16's subnormals;
+    a w holding a NaN takes the checking sweep before writing (no bound), with the same bits
+    everywhere else and the NaN kept."""
+    monkeypatch.setattr("lora.delta._MERGE_ROWS", 4)
+    rng = np.random.default_rng(16)
+    d1 = make_delta(rng, 5, ROWS, COLS, "bfloat16", alpha=3.0, wscale=0.05)
+    d2 = make_delta(rng, 3, ROWS, COLS, "float32", scale=-0.3, wscale=1e-3)
+    mags = 10.0 ** rng.uniform(-7, 2, (ROWS, COLS))
+    base = _act(rng, (COLS, ROWS) if transposed else (ROWS, COLS), wdt)
+    base[...] = ((mags if not transposed else mags.T) * np.sign(
+        rng.standard_normal(base.shape))).astype(base.dtype)
+    for stack in (lora.LoraStack([d1]), lora.LoraStack([d1, d2])):
+        terms = [(d, 1.0) for d in stack]
+        w0 = base.copy()
+        w = w0.T if transposed else w0
+        want = _merge_want(w, terms, wdt)
+        assert stack.merge_into(w) is w
+        assert_same_bits(np.ascontiguousarray(w), np.ascontiguousarray(want))
+        w1 = base.copy()
+        w = w1.T if transposed else w1
+        w[5, 7] = np.nan
+        stack.merge_into(w)
+        assert np.isnan(w[5, 7].astype(np.float32))
+        w[5, 7] = want[5, 7]
+        assert_same_bits(np.ascontiguousarray(w), np.ascontiguousarray(want))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_merge_overflow_in_a_later_block_names_it_and_writes_nothing(transposed, monkeypatch):
+    monkeypatch.setattr("lora.delta._MERGE_ROWS", 3)
+    b = np.zeros((10, 1))
+    b[7, 0] = 1.0
+    d = lora.LoraDelta(np.ones((1, 4)), b, scale=70000.0)
+    base = np.ones((4, 10) if transposed else (10, 4), np.float16)
+    w = base.T if transposed else base
+    before = base.copy()
+    with pytest.raises(ValueError, match=r"float16 at \[7, 0\]: 70001 "):
+        d.merge_into(w)
+    assert base.tobytes() == before.tobytes()
+
+
+def test_merge_into_a_misaligned_array():
+    rng = np.random.default_rng(17)
+    d = make_delta(rng, 4, ROWS, COLS, alpha=2.0)
+    raw = np.zeros(ROWS * COLS * 4 + 1, np.uint8)
+    w = np.frombuffer(raw[1:].data, np.float32).reshape(ROWS, COLS)
+    assert not w.flags.aligned and w.flags.writeable
+    w[...] = rng.standard_normal((ROWS, COLS))
+    want = _merge_want(w, [(d, 1.0)], "float32")
+    d.merge_into(w)
+    assert_same_bits(w.copy(), want)
+
+
 def test_merge_overflow_is_refused_and_w_untouched(dtype):
     rng = np.random.default_rng(15)
     d = lora.LoraDelta(np.ones((1, 4)), np.ones((3, 1)), scale=70000.0)
