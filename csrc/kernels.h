@@ -45,12 +45,14 @@
  *                                 (the SIMD files get it, and the strip and
  *                                 stack plumbing, from kernels_strip.h)
  *   widen_(src, n, dst, dt)       float16/bfloat16 -> float32, exact
+ *   narrow_(src, n, dst, ot)      float32 -> float16/bfloat16, nearest even
  *   read_(buf, n)                 the benchmark's bandwidth probe
  * and then one line, LORA_KERNEL_TABLE(isa), which generates the entry
  * points (this comment is where `grep` for their names should land):
  *   lora_project_<st>_<xt>_<isa>    st, xt in f32, f16, bf16   (9 functions)
  *   lora_accumulate_<ot>_<isa>      ot in f32, f16, bf16       (3)
  *   lora_widen_<st>_<isa>           st in f16, bf16            (2)
+ *   lora_narrow_<ot>_<isa>          ot in f16, bf16            (2)
  *   lora_read_<isa>
  * and the table `lora_kernels_<isa>` the runtime points at.
  */
@@ -114,6 +116,9 @@ typedef void (*lora_accumulate_fn)(const lora_term *terms, int n_terms, int64_t 
 typedef double (*lora_read_fn)(const float *buf, int64_t n);
 /* dst[i] = src[i] as float32 for i < n (exact: every f16/bf16 value is a float32) */
 typedef void (*lora_widen_fn)(const void *src, int64_t n, float *dst);
+/* dst[i] = src[i] rounded to nearest even into float16 / bfloat16 for i < n
+ * (NaN stays NaN, overflow gives inf: lora_f32_to_f16 / lora_f32_to_bf16) */
+typedef void (*lora_narrow_fn)(const float *src, int64_t n, void *dst);
 
 typedef struct {
     const char *name;
@@ -121,6 +126,7 @@ typedef struct {
     lora_accumulate_fn accumulate[3];  /* [out dtype] */
     lora_read_fn read;
     lora_widen_fn widen[3];            /* [LORA_DTYPE_F32] unused */
+    lora_narrow_fn narrow[3];          /* [LORA_DTYPE_F32] unused */
     /* bit 1 << dtype: this ISA sums that storage dtype in another order than
      * float32 (see LORA_OWN_ORDER), so a float32 copy would change the bits */
     unsigned own_order;
@@ -163,6 +169,10 @@ extern const lora_kernel_table lora_kernels_neon;
     static void lora_widen_##SN##_##ISA(const void *src, int64_t n, float *dst) {              \
         widen_(src, n, dst, ST);                                                               \
     }
+#define LORA_NARROW_FN_(ISA, OT, ON)                                                            \
+    static void lora_narrow_##ON##_##ISA(const float *src, int64_t n, void *dst) {             \
+        narrow_(src, n, dst, OT);                                                              \
+    }
 #define LORA_KERNEL_TABLE(ISA)                                                                  \
     LORA_PROJECT_ROW_(ISA, LORA_DTYPE_F32, f32)                                                 \
     LORA_PROJECT_ROW_(ISA, LORA_DTYPE_F16, f16)                                                 \
@@ -172,6 +182,8 @@ extern const lora_kernel_table lora_kernels_neon;
     LORA_ACCUMULATE_FN_(ISA, LORA_DTYPE_BF16, bf16)                                             \
     LORA_WIDEN_FN_(ISA, LORA_DTYPE_F16, f16)                                                    \
     LORA_WIDEN_FN_(ISA, LORA_DTYPE_BF16, bf16)                                                  \
+    LORA_NARROW_FN_(ISA, LORA_DTYPE_F16, f16)                                                   \
+    LORA_NARROW_FN_(ISA, LORA_DTYPE_BF16, bf16)                                                 \
     static double lora_read_##ISA(const float *buf, int64_t n) { return read_(buf, n); }       \
     const lora_kernel_table lora_kernels_##ISA = {                                              \
         #ISA,                                                                                   \
@@ -182,6 +194,7 @@ extern const lora_kernel_table lora_kernels_neon;
         {lora_accumulate_f32_##ISA, lora_accumulate_f16_##ISA, lora_accumulate_bf16_##ISA},     \
         lora_read_##ISA,                                                                        \
         {NULL, lora_widen_f16_##ISA, lora_widen_bf16_##ISA},                                    \
+        {NULL, lora_narrow_f16_##ISA, lora_narrow_bf16_##ISA},                                  \
         LORA_OWN_ORDER,                                                                         \
     };
 

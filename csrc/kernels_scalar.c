@@ -126,4 +126,8 @@ static inline void widen_(const void *src, int64_t n, float *dst, const int dt) 
     for (int64_t i = 0; i < n; i++) dst[i] = lora_load_f32(src, i, dt);
 }
 
+static inline void narrow_(const float *src, int64_t n, void *dst, const int ot) {
+    for (int64_t i = 0; i < n; i++) lora_store_f32(dst, i, src[i], ot);
+}
+
 LORA_KERNEL_TABLE(scalar)

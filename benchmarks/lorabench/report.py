@@ -166,6 +166,12 @@ def table_lines(W):
         elif w.group == "peft":
             naive = tuned = tor = None
             other += _peft_notes(w)
+        elif w.group == "merge":
+            naive = tuned = None
+            tor = sp.get("torch")
+            if "peft" in sp:
+                other.append(f"vs PEFT's CPU merge {_ratio(sp['peft'])}")
+            other.append("ours: float64 sum, rounded once, overflow checked before writing")
         else:
             naive, tuned, tor = sp.get("numpy_naive" + suffix), sp.get("numpy_tuned" + suffix), sp.get("torch")
             if "ours_f32act" in sp:  # bf16 x/out: against our f32 x/out call and PEFT's upcast

@@ -630,6 +630,51 @@ def build_halfact(ctx, batch, kind, rows=4096, cols=4096, rank=16):
     return Built(impls, nbytes, flops, (ours_once, ref_once, _TOL["bfloat16"]))
 
 
+MERGE_N, QUICK_MERGE_N, MERGE_RANK = 4096, 2048, 16
+
+
+def build_merge(ctx, wdt, n=MERGE_N, rank=MERGE_RANK):
+    """A rank-16 adapter merged into an n x n weight held as a torch tensor of dtype `wdt`,
+    what loading a PEFT adapter with merge_and_unload() does per layer.  ours:
+    ``LoraDelta.merge_into(w)`` (float32 factors; float64 sum, rounded once, overflow checked
+    before any write); torch: ``w.add_((B @ A).mul_(s))`` with B and A in w's dtype, what a
+    torch user writes (no check, bf16/f16 products rounded along the way); peft: PEFT's CPU
+    merge, ``w += (B.float() @ A.float() * s).to(w.dtype)`` (its half-precision weights are
+    upcast for the product on the CPU).  Each merges into its own copy of w, again and again."""
+    lora, torch, rng = ctx.lora, ctx.torch, ctx.rng
+    if torch is None:
+        raise Skip("needs torch (the weights are torch tensors)")
+    a, b = _pair(rng, n, n, rank)
+    d = _make_delta(lora, a, b, "float32", rank)
+    s = _scale_of(d, rank)
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wdt]
+    w0 = torch.from_numpy(_rand(rng, (n, n), 0.02)).to(tdt)
+    a32, b32 = torch.from_numpy(a), torch.from_numpy(b)
+    ah, bh = a32.to(tdt), b32.to(tdt)
+
+    def torch_fn(w=w0.clone(), a=ah, b=bh, s=s):
+        w.add_((b @ a).mul_(s))
+
+    def peft_fn(w=w0.clone(), a=a32, b=b32, s=s, dt=tdt):
+        w += (b @ a * s).to(dt)
+
+    impls = {"ours": Impl(d.merge_into, w0.clone()), "torch": Impl(torch_fn), "peft": Impl(peft_fn)}
+
+    def ours_once():
+        return _as64(d.merge_into(w0.clone()))
+
+    def ref_once():
+        return _as64(w0) + s * (b.astype(np.float64) @ a.astype(np.float64))
+
+    item = w0.element_size()
+    return Built(impls, 2 * n * n * item + rank * 2 * n * 4, 2 * n * n * rank,
+                 (ours_once, ref_once, _TOL[wdt]), info={"merge_n": n})
+
+
+def merge_name(n):
+    return f"merge r{MERGE_RANK} into w {n}x{n}"
+
+
 EDGE_BATCH = 8
 
 
@@ -871,6 +916,9 @@ def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS, quick=Fal
             add(edge_name(method, batch), "edge", act, lambda c, a=(method, act, batch): build_edge(c, *a))
     add(BANK_EDGE_NAME, "edge", "float32", build_bank_edge)
     add(set_step_name(set_layers), "setstep", "bfloat16", lambda c: build_set_step(c, set_layers))
+    merge_n = QUICK_MERGE_N if quick else MERGE_N
+    for wdt in ("float32", "float16", "bfloat16"):
+        add(merge_name(merge_n), "merge", wdt, lambda c, w=wdt: build_merge(c, w, merge_n))
     return W
 
 
