@@ -26,6 +26,7 @@ I64_MAX = np.iinfo(np.int64).max
 DT_F32, DT_F16, DT_BF16 = lib.LORA_DTYPE_F32, lib.LORA_DTYPE_F16, lib.LORA_DTYPE_BF16
 _NP_CODES = {F32: DT_F32, F16: DT_F16}
 _TORCH_CODES = None  # {torch.float32: DT_F32, ...}, filled at the first tensor
+_GRAD_ENABLED = _BUMP = None  # torch.is_grad_enabled, the version bump: filled with it
 _VOIDP = ffi.typeof("void *")
 
 
@@ -122,14 +123,18 @@ def note_write(t):
     torch's own in-place ops do, so a backward that saved `t` raises instead of silently using
     the new values.  Done when grad mode is on; under torch.no_grad() / inference_mode() the
     write is like a ``.data`` write, which autograd does not track either."""
-    torch = torch_module()
-    if torch.is_grad_enabled():
-        torch.autograd.graph.increment_version(t)
+    if _GRAD_ENABLED():
+        _BUMP((t,))
 
 
 def _torch_codes():
-    global _TORCH_CODES
+    """Fill the tensor dtype codes and the autograd hooks at the first tensor seen: the version
+    bump is torch's own ``autograd.graph.increment_version`` without its Python wrapper (~0.1 us
+    a call) where torch has that entry point."""
+    global _TORCH_CODES, _GRAD_ENABLED, _BUMP
     torch = torch_module()
+    _GRAD_ENABLED = torch.is_grad_enabled
+    _BUMP = getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version
     _TORCH_CODES = {torch.float32: DT_F32, torch.float16: DT_F16, torch.bfloat16: DT_BF16}
     return _TORCH_CODES
 
