@@ -475,8 +475,10 @@ def _w_array(w, rows, cols):
     return w, code
 
 
-# rows of w per step: bounds the float64 products (8 KiB per column per term at 1024 rows)
-_MERGE_ROWS = 1024
+# float64 products per term and step (8 MiB): a block's products stay in the last-level cache
+# between NumPy's GEMM writing them and the C pass reading them
+_MERGE_ELEMENTS = 1 << 20
+_MERGE_ROWS = None  # rows per step; None: _MERGE_ELEMENTS // columns (tests set a few)
 _DOUBLES = ffi.typeof("double[]")
 
 
@@ -515,7 +517,7 @@ def merge_(w, terms, rows, cols):
     bound += lib.lora_abs_max(ffi.cast(_VOIDP, ptr), code, n_cols, n_rows, n_cols)
     # |result| <= bound, up to float64 rounding: below the largest finite value, no overflow
     safe = bound * (1.0 + 1e-9) < S.LARGEST[name]
-    block = min(_MERGE_ROWS, n_rows)
+    block = min(_MERGE_ROWS or max(1, _MERGE_ELEMENTS // n_cols), n_rows)
     bufs = [np.empty((block, n_cols)) for _ in factors]
     dptrs = ffi.new("double *[]", [ffi.cast("double *", ffi.from_buffer(_DOUBLES, buf))
                                    for buf in bufs])
