@@ -501,6 +501,8 @@ def merge_(w, terms, rows, cols):
     flip = rows > 1 and cols > 1 and not arr.flags.c_contiguous
     base = arr.T if flip else arr
     n_rows, n_cols = base.shape
+    if base.size == 0:
+        return w
     factors, scales = [], []
     bound = 0.0
     for d, s in live:
