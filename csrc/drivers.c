@@ -407,10 +407,11 @@ static int plan_call_(plan_ *p, int64_t n_entries, const int64_t *first,
         }
     }
     if (pos_scales) {
-        /* every scale a position will use must be finite in float32 */
+        /* a multiplier must be finite, and every scale a position will use (its
+         * product with each delta's scale) finite in float32 */
         for (int64_t i = 0; i < n_ids; i++) {
             const int64_t e = entry_ids ? entry_ids[i] : 0;
-            int ok = finite_f32_(pos_scales[i]);
+            int ok = isfinite(pos_scales[i]);
             for (int64_t q = e >= 0 ? first[e] : 0; ok && e >= 0 && q < first[e + 1]; q++)
                 ok = finite_f32_(scales[q] * pos_scales[i]);
             if (!ok) {

@@ -117,9 +117,10 @@ int lora_add_rows(const lora_delta *d, float scale, int64_t n, const int64_t *id
  * b by pos_scales[b / ids_every]: delta q there uses
  * (float)(scales[q] * pos_scales[b / ids_every]), formed in double.  A delta
  * whose float32 scale is 0 adds nothing to that position; a position whose
- * multiplier is 0 is not touched.  Every delta is rows x cols.  A scale not
- * finite in float32 is LORA_ERR_SCALE before anything is written, with *bad
- * the position (or -1 when the delta's own scale is at fault). */
+ * multiplier is 0 is not touched.  Every delta is rows x cols.  A delta's
+ * scale not finite in float32, a multiplier that is not finite, or a product
+ * not finite in float32 is LORA_ERR_SCALE before anything is written, with
+ * *bad the position (or -1 when the delta's own scale is at fault). */
 int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
                      const double *scales, const int64_t *entry_ids, const double *pos_scales,
                      int64_t ids_every, int64_t rows, int64_t cols, int64_t batch,

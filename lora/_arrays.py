@@ -510,9 +510,10 @@ def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=Non
                          f"out of range: valid ids are {valid}")
     if status == lib.LORA_ERR_SCALE:
         if pos >= 0 and scales is not None:
-            raise ValueError(f"scales[{position_of(scales, pos)}] = {scales.reshape(-1)[pos]!r} times "
-                             f"an effective scale is not finite in float32 (|s| must be below "
-                             f"3.4e38)")
+            raise ValueError(f"scales[{position_of(scales, pos)}] = "
+                             f"{float(scales.reshape(-1)[pos])!r} times the effective scale of an "
+                             f"adapter at that position is not finite in float32 (the product "
+                             f"must be below 3.4e38 in magnitude)")
         raise ValueError("the effective scale (scale x alpha factor) is not finite in float32 "
                          "(|s| must be below 3.4e38)")
     if status == lib.LORA_ERR_ALIGN:

@@ -297,6 +297,24 @@ def test_bad_scales_are_refused_before_any_write(isa):
     assert_same_bits(out, before)
 
 
+def test_a_position_scale_past_float32_is_fine_when_its_products_are(isa):
+    """The rule is on the product: 1e40 times an effective scale of 1e-10 is 1e30, finite in
+    float32; a position on no adapter (-1) has no product at all."""
+    rng = np.random.default_rng(18)
+    d = make_delta(rng, 4, ROWS, COLS, scale=1e-10)
+    bank = lora.LoraBank([d, None])
+    x = rand(rng, (3, COLS))
+    out = rand(rng, (3, ROWS))
+    want = out.copy()
+    alone = lora.LoraDelta(*d.lora_weights(), scale=float(np.float32(d.effective_scale * 1e40)))
+    alone.add_to(x[0], want[0])
+    bank.add_batch_to(x, out, [0, -1, 1], [1e40, 1e300, 1e300])
+    assert_same_bits(out, want)
+    with pytest.raises(ValueError, match=r"scales\[0\] = 1e\+50 times the effective scale"):
+        bank.add_batch_to(x, out, [0, 0, 0], [1e50, 1.0, 1.0])
+    assert_same_bits(out, want)
+
+
 # ------------------------------------------------------------------ merges into half weights
 
 
