@@ -432,10 +432,12 @@ def _w_array(w, rows, cols):
     """A NumPy view of `w` (never a copy) with its dtype code, after the merge-target checks."""
     if A.is_tensor(w):
         A.check_tensor_place(w, "w")
-        if w.requires_grad and not w.is_leaf:
+        base = getattr(w, "_base", None)  # a view's base: w.T of a weight is fine
+        if w.requires_grad and not w.is_leaf and not (base is not None and base.is_leaf):
             raise ValueError("w is a non-leaf tensor that requires grad: a merge writes it in "
                              "place, outside autograd; merge into the weight itself (a leaf such "
-                             "as an nn.Parameter)")
+                             "as an nn.Parameter, or its transposed view), or under "
+                             "torch.no_grad() into w.detach()")
         code = A.torch_code(w)
         if code is None:
             raise TypeError(f"w must have dtype float32, float16 or bfloat16 (it is updated in "
@@ -447,7 +449,10 @@ def _w_array(w, rows, cols):
         shape, strides = tuple(w.shape), tuple(w.stride())
         if shape != (rows, cols):
             raise ValueError(f"w must have shape ({rows}, {cols}) = [rows, cols]; got {shape}")
-        if strides not in ((cols, 1), (1, rows)) and not (rows <= 1 or cols <= 1):
+        # torch's contiguity ignores the strides of size-1 axes, as NumPy's flags do; an
+        # expanded (stride 0) or sliced w of one row or column is neither
+        flipped = not w.is_contiguous()
+        if flipped and not w.T.is_contiguous():
             raise ValueError("w must be C-contiguous [rows, cols], or the transposed view of a "
                              f"C-contiguous [cols, rows] array (fan_in_fan_out); got strides "
                              f"{strides} (elements)")
@@ -455,7 +460,7 @@ def _w_array(w, rows, cols):
         dt = {A.DT_F32: _F32, A.DT_F16: A.F16}.get(code) or S.bf16()
         buf = ffi.buffer(ffi.cast("char *", w.data_ptr()), rows * cols * size)
         flat = np.frombuffer(buf, dtype=dt)
-        if strides == (1, rows) and rows > 1 and cols > 1:
+        if flipped:
             return flat.reshape(cols, rows).T, code
         return flat.reshape(rows, cols), code
     if not isinstance(w, _ndarray):

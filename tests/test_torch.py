@@ -170,6 +170,43 @@ def test_half_merge_overflow_in_torch_leaves_w():
     assert torch.equal(w, torch.ones(3, 4, dtype=torch.float16))
 
 
+def test_merge_into_one_row_or_column_tensors_follows_their_strides():
+    """A weight of one row or one column is read through its strides like any other: a slice of
+    a bigger tensor that is contiguous is merged in place, one with a stride (a column of a
+    matrix, every other element) or an expanded one (stride 0) is refused, nothing written."""
+    col = lora.LoraDelta(np.ones((1, 1)), np.arange(1.0, 5.0).reshape(4, 1))  # 4 x 1
+    row = lora.LoraDelta(np.arange(1.0, 6.0).reshape(1, 5), np.ones((1, 1)))  # 1 x 5
+    big = torch.zeros(3, 5)
+    row.merge_into(big[1:2, :])
+    assert big[1].tolist() == [1, 2, 3, 4, 5] and not big[0].any() and not big[2].any()
+    tall = torch.zeros(4, 1)
+    col.merge_into(tall)
+    assert tall[:, 0].tolist() == [1, 2, 3, 4]
+    for delta, target, view in (
+            (col, torch.zeros(4, 5), lambda t: t[:, :1]),    # a column: stride 5
+            (row, torch.zeros(3, 10), lambda t: t[:1, ::2]),  # every other element: stride 2
+            (col, torch.zeros(1, 1), lambda t: t.expand(4, 1)),  # stride 0
+            (row, torch.zeros(1, 1), lambda t: t.expand(1, 5))):
+        before = target.clone()
+        with pytest.raises(ValueError, match="C-contiguous"):
+            delta.merge_into(view(target))
+        assert torch.equal(target, before)
+
+
+def test_merge_into_the_transposed_view_of_a_parameter_that_requires_grad():
+    """fan_in_fan_out bases (GPT-2 Conv1D) hold W as [in, out]: W.T is a view of a leaf."""
+    rng = np.random.default_rng(9)
+    d = make_delta(rng, 3, 4, 6, alpha=2.0)
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    want = weight.detach().numpy().T.astype(np.float64) + d.effective_scale * (
+        d.lora_weights()[1].astype(np.float64) @ d.lora_weights()[0].astype(np.float64))
+    assert d.merge_into(weight.T) is not None
+    np.testing.assert_array_equal(weight.detach().numpy().T, want.astype(np.float32))
+    inner = weight * 2  # a non-leaf in a graph: still refused
+    with pytest.raises(ValueError, match="non-leaf"):
+        d.merge_into(inner.T)
+
+
 def test_import_lora_does_not_import_torch():
     code = "import sys, lora; print('torch' in sys.modules)"
     res = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True,
