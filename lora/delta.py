@@ -31,6 +31,7 @@ _from_buffer = ffi.from_buffer
 # from_buffer(_CHARS, out, True) asks for a writable buffer at half the cost of the keyword form
 # (cffi's keyword parsing measured ~0.2 us per call)
 _CHARS = ffi.typeof("char[]")
+_INT64S = ffi.typeof("int64_t[]")
 _cast = ffi.cast
 _VOIDP = ffi.typeof("void *")
 _NULL = ffi.NULL
@@ -686,10 +687,12 @@ class EntryTable:
             idp, every = _NULL, 1
             if adapter_ids is not None:
                 rows0 = out.shape[0]
-                if adapter_ids.shape[0] == rows0 and n % max(rows0, 1) == 0:
-                    idp, every = _from_buffer("int64_t[]", adapter_ids), max(n // max(rows0, 1), 1)
-                else:
-                    n = -1  # not this path: the checked one says what is wrong
+                try:
+                    if adapter_ids.shape[0] != rows0 or n % max(rows0, 1):
+                        raise ValueError
+                    idp, every = _from_buffer(_INT64S, adapter_ids), max(n // max(rows0, 1), 1)
+                except ValueError:  # not this path (or strided ids): the checked one
+                    n = -1
             if n >= 0:
                 bad = ffi.new("int64_t *") if idp is not _NULL else _NULL
                 status = _lora_apply_batch(

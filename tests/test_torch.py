@@ -207,6 +207,21 @@ def test_merge_into_the_transposed_view_of_a_parameter_that_requires_grad():
         d.merge_into(inner.T)
 
 
+def test_bank_with_tensors_takes_strided_numpy_ids():
+    """Strided int64 ids (a slice) with torch x/out are read by value, as with NumPy x/out."""
+    rng = np.random.default_rng(10)
+    d = make_delta(rng, 4, ROWS, COLS)
+    bank = lora.LoraBank([d, None])
+    ids = np.array([0, 9, 1, 9, 0, 9], np.int64)[::2]
+    assert not ids.flags.c_contiguous
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(1))
+    out = torch.zeros(3, ROWS)
+    bank.add_batch_to(x, out, ids)
+    want = np.zeros((3, ROWS), np.float32)
+    bank.add_batch_to(x.numpy(), want, np.ascontiguousarray(ids))
+    assert_same_bits(out.numpy(), want)
+
+
 def test_import_lora_does_not_import_torch():
     code = "import sys, lora; print('torch' in sys.modules)"
     res = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True,
