@@ -86,6 +86,13 @@ def main(argv=None, out=None, err=None):
                 _info(out)
             else:
                 _inspect(args, out)
+    except BrokenPipeError:  # the reader stopped reading (`... | head`): nothing to report
+        if out is sys.stdout:
+            try:  # flushing at exit would fail again: point stdout at /dev/null
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+        return 0
     except (_UsageError, ValueError, OSError) as exc:   # LoraFormatError is a ValueError
         text = " ".join(str(exc).split()) or type(exc).__name__
         print(f"python -m lora: error: {text}", file=err)

@@ -175,3 +175,19 @@ def test_import_and_info_load_no_file_format_library():
     res = _python("-c", code)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == ["[]", "[]"]
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    """`python -m lora inspect PATH | head -1`: the pipe closes under the writer; nothing on
+    stderr, exit 0 (a closed stdout is the reader's choice, not a failure)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(LORA_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import sys, lora.__main__ as m\n"
+                             "sys.stdout.write('x' * (1 << 20))\n"  # fills the pipe: blocks
+                             "sys.exit(m.main(['inspect', sys.argv[1]]))", str(PEFT_DIR)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.read(10)
+    proc.stdout.close()  # the reader goes away while the writer is blocked
+    _, err = proc.communicate(timeout=120)
+    assert err.decode() == "" and proc.returncode == 0
