@@ -544,8 +544,8 @@ def merge_(w, terms, rows, cols):
                     acc = acc + s * float(left[bi] @ right[:, bj])
                 i, j = (bj, bi) if flip else (bi, bj)
                 verb = "unmerging from" if all(sg < 0 for _, sg in terms) else "merging into"
-                raise ValueError(f"{verb} w overflows its dtype {name} at [{i}, {j}]: {acc:g} "
-                                 f"(largest finite: {S.LARGEST[name]:g}); w is left untouched")
+                raise ValueError(f"{verb} w overflows its dtype {name} at [{i}, {j}]: {acc:.9g} "
+                                 f"(largest finite: {S.LARGEST[name]:.9g}); w is left untouched")
     if target is not base:
         base[...] = target
     if A.is_tensor(w):  # an in-place update, as torch's own ops record it
