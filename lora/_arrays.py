@@ -148,6 +148,9 @@ def check_tensor_place(t, what):
     if not t.is_cpu:
         raise TypeError(f"{what} is a torch tensor on device {str(t.device)!r}; lora-kernels "
                         f"computes on the CPU: pass a tensor on device 'cpu'")
+    if getattr(t, "is_nested", False):
+        raise TypeError(f"{what} is a nested (ragged) torch tensor; a dense (strided) tensor is "
+                        f"needed")
     if t.layout != torch_module().strided:
         raise TypeError(f"{what} is a torch tensor with layout {t.layout}; a dense (strided) "
                         f"tensor is needed")
@@ -317,6 +320,8 @@ def batched_shape(out, last, what, lead=None):
     ndim = out.ndim if isinstance(out, np.ndarray) or is_tensor(out) else None
     if ndim is None:
         check_out(out, None, what, shown=f"(..., {last})")  # always raises: not an array
+    if is_tensor(out):
+        check_tensor_place(out, what)  # device, layout, nested: before any shape is read
     if ndim < 2:
         raise ValueError(f"{what} must have shape (batch, ..., {last}) with at least one leading "
                          f"axis; got {tuple(out.shape)}")
@@ -341,7 +346,11 @@ def float_array(value, what):
             raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 "
                             f"or float64); got dtype {dtype_name(t)}")
         value = t.numpy()
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except ValueError as e:  # a ragged list
+        raise ValueError(f"{what} must be an array of one shape (rows of equal length): {e}") \
+            from None
     if not is_float_dtype(arr.dtype):
         raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 or "
                         f"float64); got dtype {arr.dtype}")

@@ -34,6 +34,10 @@ def storage_name(dtype):
     """'float32' | 'float16' | 'bfloat16' from a name or a NumPy dtype; ValueError otherwise."""
     if isinstance(dtype, str) and dtype in CODES:
         return dtype
+    if type(dtype).__module__ == "torch" and str(dtype).startswith("torch."):
+        name = str(dtype)[len("torch."):]  # torch.bfloat16 -> "bfloat16" (torch not imported)
+        if name in CODES:
+            return name
     try:
         name = np.dtype(dtype).name
     except TypeError:

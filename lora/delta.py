@@ -417,6 +417,8 @@ def rows_args(ids, out, cols):
     (int64 ids, out ptr, out code, ldo, positions)."""
     if not (isinstance(out, _ndarray) or A.is_tensor(out)):
         A.check_out(out, None, shown=f"(n, {cols})")  # always raises: not an array
+    if A.is_tensor(out):
+        A.check_tensor_place(out, "out")  # device, layout, nested: before any shape is read
     tok = A.as_ids(ids, "ids", any_shape=True)
     if tok.ndim == 0:
         raise ValueError("ids must have at least one axis (a 0-d id is add_row_to's); got a "

@@ -3,6 +3,7 @@ place through their pointers (never copied for `out`, never through `.numpy()`),
 returned, the same bits as the NumPy arrays holding the same values, the same refusals."""
 
 import subprocess
+import warnings
 
 import numpy as np
 import pytest
@@ -143,6 +144,16 @@ def _bad_calls(d, bank):
         lambda o: bank.add_batch_to(x, o, torch.tensor([0, 7, 0])), good
     yield "token range", IndexError, ["99"], \
         lambda o: d.add_rows_to(torch.tensor([1, 99, 2]), o), torch.zeros(3, COLS)
+    with warnings.catch_warnings():  # nested tensors are a prototype API: torch says so
+        warnings.simplefilter("ignore", UserWarning)
+        ragged_x = torch.nested.nested_tensor([torch.ones(COLS), torch.ones(COLS)])
+        ragged_out = torch.nested.nested_tensor([torch.ones(ROWS), torch.ones(ROWS)])
+    yield "nested x", TypeError, ["nested"], lambda o: d.add_batch_to(ragged_x, o), good
+    yield "nested out", TypeError, ["nested"], lambda o: d.add_batch_to(x, ragged_out), good
+    yield "nested gather out", TypeError, ["nested"], \
+        lambda o: d.add_rows_to([0, 1], ragged_out), good
+    yield "ragged list x", ValueError, ["one shape"], \
+        lambda o: d.add_batch_to([[1.0] * COLS, [1.0]], o), good
     buf = torch.zeros(3 * ROWS + 3 * COLS)
     yield "overlap", ValueError, ["overlap"], \
         lambda o: d.add_batch_to(buf[:3 * COLS].view(3, COLS), buf[3 * COLS - 5:][:3 * ROWS]
@@ -160,6 +171,16 @@ def test_bad_tensors_are_refused_and_nothing_is_written(isa):
         for frag in fragments:
             assert frag in str(info.value), (name, str(info.value))
         assert torch.equal(watched, before), name
+
+
+def test_torch_dtypes_name_the_storage_dtype():
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((2, 5)), rng.standard_normal((3, 2))
+    for t, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16"),
+                    (torch.float32, "float32")):
+        assert lora.LoraDelta(a, b, dtype=t).dtype == name
+    with pytest.raises(ValueError, match="torch.int8"):
+        lora.LoraDelta(a, b, dtype=torch.int8)
 
 
 def test_half_merge_overflow_in_torch_leaves_w():
