@@ -125,12 +125,22 @@ int lora_get_num_threads(void) {
  * LORA_TEAM_PAYOFF did not pay: a thread was waiting for a CPU (other
  * processes, or another thread pool in this process, keep the cores busy),
  * and a spinning partner then burns whole scheduler time slices.  Calls then
- * run on one thread for a back-off period, and the first call after it is the
- * next probe.  The period is at least LORA_SOLO_PER times the losing call's
- * wall time, so probing costs at most ~1/LORA_SOLO_PER of the time (a probe
+ * run on one thread for a back-off period, and the team calls after it are
+ * the next probe.  The first team call of a process and the first after a
+ * back-off are not judged: the OpenMP threads have gone to sleep meanwhile
+ * (libgomp's default waits spin only briefly), and waking them can cost more
+ * than a 20-100 us call saves, so judging that call would make one lost call
+ * keep the process on one thread for good (a 4096 x 4096 rank-64 decode ran
+ * 3.6x slower that way on an idle machine); the next team call, with the
+ * team awake if calls follow each other, is judged.  A back-off starts after
+ * LORA_LOSSES judged calls lost in a row, so that one call slowed by an
+ * interrupt on an idle machine does not cost 10 ms on one thread.  The period
+ * is at least LORA_SOLO_PER times the losing call's wall time, so probing
+ * (three team calls) costs at most ~3/LORA_SOLO_PER of the time (a probe
  * under load can take a time slice or two, 4-30 ms measured, hence periods of
- * ~1 s); it doubles from LORA_SOLO_MIN while teams keep losing, up to
- * LORA_SOLO_MAX, and halves after every team call that pays.
+ * ~1 s); it doubles from
+ * LORA_SOLO_MIN while teams keep losing, up to LORA_SOLO_MAX, and halves after
+ * every team call that pays.
  *
  * Only the timing decides, never the bits: every thread count gives the same
  * results.  The state is process-wide, read and written with relaxed atomics
@@ -150,11 +160,14 @@ int lora_get_num_threads(void) {
 #define LORA_TEAM_PAYOFF 0.9
 #define LORA_SOLO_MIN ((int64_t)10000000)   /* ns */
 #define LORA_SOLO_MAX ((int64_t)2000000000) /* ns */
-#define LORA_SOLO_PER 50
+#define LORA_SOLO_PER 100
+#define LORA_LOSSES 2  /* judged team calls lost in a row that start a back-off */
 
 static int64_t g_solo_until = 0;           /* monotonic ns: one thread until then */
 static int64_t g_solo_ns = LORA_SOLO_MIN;  /* the next back-off */
 static int64_t g_team_calls = 0, g_team_lost = 0;
+static int g_waking = 1;                   /* the next team call wakes the team: not judged */
+static int g_lost_run = 0;                 /* judged team calls lost in a row */
 
 #define LOAD_(v) __atomic_load_n(&(v), __ATOMIC_RELAXED)
 #define STORE_(v, x) __atomic_store_n(&(v), (x), __ATOMIC_RELAXED)
@@ -182,17 +195,22 @@ int lora_call_threads(int64_t work) {
     if (nt == 1 || LOAD_(g_solo_until) == 0) return nt;
     if ((int64_t)(lora_now() * 1e9) < LOAD_(g_solo_until)) return 1;
     STORE_(g_solo_until, 0);
+    STORE_(g_waking, 1);
     return nt;
 }
 
 void lora_team_report(double wall, double busy) {
     __atomic_add_fetch(&g_team_calls, 1, __ATOMIC_RELAXED);
+    if (__atomic_exchange_n(&g_waking, 0, __ATOMIC_RELAXED)) return;
     int64_t solo = LOAD_(g_solo_ns);
     if (wall < LORA_TEAM_PAYOFF * busy) {
         if (solo > LORA_SOLO_MIN) STORE_(g_solo_ns, solo / 2);
+        STORE_(g_lost_run, 0);
         return;
     }
     __atomic_add_fetch(&g_team_lost, 1, __ATOMIC_RELAXED);
+    if (__atomic_add_fetch(&g_lost_run, 1, __ATOMIC_RELAXED) < LORA_LOSSES) return;
+    STORE_(g_lost_run, 0);
     const int64_t cost = (int64_t)(wall * 1e9) * LORA_SOLO_PER;
     if (cost > solo) solo = cost;
     if (solo > LORA_SOLO_MAX) solo = LORA_SOLO_MAX;
@@ -216,6 +234,8 @@ void lora_team_reset(void) {
     STORE_(g_solo_ns, LORA_SOLO_MIN);
     STORE_(g_team_calls, 0);
     STORE_(g_team_lost, 0);
+    STORE_(g_waking, 1);
+    STORE_(g_lost_run, 0);
 }
 
 int lora_probe_threads(void) {
