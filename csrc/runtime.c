@@ -138,9 +138,8 @@ int lora_get_num_threads(void) {
  * is at least LORA_SOLO_PER times the losing call's wall time, so probing
  * (three team calls) costs at most ~3/LORA_SOLO_PER of the time (a probe
  * under load can take a time slice or two, 4-30 ms measured, hence periods of
- * ~1 s); it doubles from
- * LORA_SOLO_MIN while teams keep losing, up to LORA_SOLO_MAX, and halves after
- * every team call that pays.
+ * ~1 s); it doubles from LORA_SOLO_MIN while teams keep losing, up to
+ * LORA_SOLO_MAX, and halves after every team call that pays.
  *
  * Only the timing decides, never the bits: every thread count gives the same
  * results.  The state is process-wide, read and written with relaxed atomics

@@ -106,9 +106,10 @@ def thread_policy():
     """One line saying how calls choose their threads right now (``kernel_info()["thread_policy"]``).
 
     A call opens a team only from ``lib.lora_team_min_work()`` multiply-adds per team
-    synchronisation, and only while the last measured team call beat one thread; after one that
-    did not (other work holding the cores), calls run on one thread for a back-off of 10 ms to
-    2 s.  ``OMP_WAIT_POLICY`` is the user's: the library never sets it.
+    synchronisation, and only while team calls beat one thread; after two in a row that did not
+    (other work holding the cores), calls run on one thread for a back-off of 10 ms to 2 s, and
+    the team call that ends it only wakes the team (it is not judged).  ``OMP_WAIT_POLICY`` is
+    the user's: the library never sets it.
     """
     if not lib.lora_openmp():
         return "one thread (built without OpenMP)"
@@ -117,8 +118,8 @@ def thread_policy():
         return "one thread (the cap is 1: set_num_threads, OMP_NUM_THREADS or threadpoolctl)"
     floor = lib.lora_team_min_work()
     text = (f"adaptive: up to {n} threads for calls of at least 2^{floor.bit_length() - 1} "
-            f"multiply-adds per team synchronisation, one thread for 10 ms-2 s after a team "
-            f"call that was not faster than one thread")
+            f"multiply-adds per team synchronisation, one thread for 10 ms-2 s after two team "
+            f"calls in a row that were not faster than one thread")
     wait = os.environ.get("OMP_WAIT_POLICY", "").strip()
     text += f"; OMP_WAIT_POLICY={wait} (yours)" if wait else "; OpenMP wait policy: default"
     left = lib.lora_team_backoff()
