@@ -53,6 +53,7 @@
  *   lora_accumulate_<ot>_<isa>      ot in f32, f16, bf16       (3)
  *   lora_widen_<st>_<isa>           st in f16, bf16            (2)
  *   lora_narrow_<ot>_<isa>          ot in f16, bf16            (2)
+ *   lora_merge_row_<isa>            (portable C, see LORA_MERGE_FN_)
  *   lora_read_<isa>
  * and the table `lora_kernels_<isa>` the runtime points at.
  */
@@ -119,6 +120,10 @@ typedef void (*lora_widen_fn)(const void *src, int64_t n, float *dst);
 /* dst[i] = src[i] rounded to nearest even into float16 / bfloat16 for i < n
  * (NaN stays NaN, overflow gives inf: lora_f32_to_f16 / lora_f32_to_bf16) */
 typedef void (*lora_narrow_fn)(const float *src, int64_t n, void *dst);
+/* merges: acc[j] += s * sum_k b[k] * a[k * lda + j] for j < n <= LORA_MERGE_CHUNK,
+ * in float64; see LORA_MERGE_FN_ */
+typedef void (*lora_merge_row_fn)(const double *b, int64_t rank, const double *a, int64_t lda,
+                                  int64_t n, double s, double *acc);
 
 typedef struct {
     const char *name;
@@ -127,6 +132,7 @@ typedef struct {
     lora_read_fn read;
     lora_widen_fn widen[3];            /* [LORA_DTYPE_F32] unused */
     lora_narrow_fn narrow[3];          /* [LORA_DTYPE_F32] unused */
+    lora_merge_row_fn merge_row;
     /* bit 1 << dtype: this ISA sums that storage dtype in another order than
      * float32 (see LORA_OWN_ORDER), so a float32 copy would change the bits */
     unsigned own_order;
@@ -173,6 +179,25 @@ extern const lora_kernel_table lora_kernels_neon;
     static void lora_narrow_##ON##_##ISA(const float *src, int64_t n, void *dst) {             \
         narrow_(src, n, dst, OT);                                                              \
     }
+/* The merge's row kernel is portable C, the same for every ISA: expanded inside
+ * each ISA's target region, the compiler vectorises it over j for that ISA.
+ * The sum over k runs in order from the first product (a product, then a sum:
+ * the build's -ffp-contract=off keeps fma out), then is scaled and added, so
+ * every path gives the same bits: NumPy's t = b[0] * a[0]; t = t + b[k] * a[k]
+ * ...; acc = acc + s * t, element by element. */
+#define LORA_MERGE_CHUNK 512
+#define LORA_MERGE_FN_(ISA)                                                                     \
+    static void lora_merge_row_##ISA(const double *b, int64_t rank, const double *a,           \
+                                     int64_t lda, int64_t n, double s, double *acc) {          \
+        double t[LORA_MERGE_CHUNK];                                                            \
+        const double b0 = b[0];                                                                \
+        for (int64_t j = 0; j < n; j++) t[j] = b0 * a[j];                                      \
+        for (int64_t k = 1; k < rank; k++) {                                                   \
+            const double bk = b[k], *ak = a + k * lda;                                         \
+            for (int64_t j = 0; j < n; j++) t[j] = t[j] + bk * ak[j];                          \
+        }                                                                                      \
+        for (int64_t j = 0; j < n; j++) acc[j] = acc[j] + s * t[j];                            \
+    }
 #define LORA_KERNEL_TABLE(ISA)                                                                  \
     LORA_PROJECT_ROW_(ISA, LORA_DTYPE_F32, f32)                                                 \
     LORA_PROJECT_ROW_(ISA, LORA_DTYPE_F16, f16)                                                 \
@@ -184,6 +209,7 @@ extern const lora_kernel_table lora_kernels_neon;
     LORA_WIDEN_FN_(ISA, LORA_DTYPE_BF16, bf16)                                                  \
     LORA_NARROW_FN_(ISA, LORA_DTYPE_F16, f16)                                                   \
     LORA_NARROW_FN_(ISA, LORA_DTYPE_BF16, bf16)                                                 \
+    LORA_MERGE_FN_(ISA)                                                                         \
     static double lora_read_##ISA(const float *buf, int64_t n) { return read_(buf, n); }       \
     const lora_kernel_table lora_kernels_##ISA = {                                              \
         #ISA,                                                                                   \
@@ -195,6 +221,7 @@ extern const lora_kernel_table lora_kernels_neon;
         lora_read_##ISA,                                                                        \
         {NULL, lora_widen_f16_##ISA, lora_widen_bf16_##ISA},                                    \
         {NULL, lora_narrow_f16_##ISA, lora_narrow_bf16_##ISA},                                  \
+        lora_merge_row_##ISA,                                                                   \
         LORA_OWN_ORDER,                                                                         \
     };
 

@@ -131,15 +131,17 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
                     int64_t ids_every, int64_t rows, int64_t cols, int64_t n, const int64_t *ids,
                     void *out, int out_dtype, int64_t ldo, int64_t *bad);
 
-/* Merges (merge_into / unmerge_from), the element pass after the caller formed
- * d_t = B_t @ A_t in float64 for a block of rows: w[i*ldw + j] becomes
- * w + sum_t scales[t] * d_t[i*cols + j], each term added in order in double
- * (a product, then a sum: no fma), rounded once to nearest even into w_dtype
- * (float16 / bfloat16 through a round-to-odd float32).  write == 0 only
- * checks: returns the flat index i*cols + j of the first element finite in w
- * whose result is not, or -1; write != 0 stores every result (returns -1). */
-int64_t lora_merge_rows(void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols,
-                        int n_terms, const double *const *d, const double *scales, int write);
+/* Merges (merge_into / unmerge_from): w[i*ldw + j] becomes w + sum_t scales[t]
+ * * (B_t @ A_t)[i, j], formed in double: each product over the rank in order
+ * (a product, then a sum: no fma), scaled, added term by term in order, and
+ * rounded once to nearest even into w_dtype (float16 / bfloat16 through a
+ * round-to-odd float32).  a[t]: A_t [ranks[t], cols], b[t]: B_t [rows,
+ * ranks[t]], both double row-major.  write == 0 only checks: returns the flat
+ * index i*cols + j of the first element finite in w whose result is not, or
+ * -1; write != 0 stores every result (returns -1). */
+int64_t lora_merge(void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols, int n_terms,
+                   const double *const *a, const double *const *b, const int64_t *ranks,
+                   const double *scales, int write);
 /* the largest |w| of a rows x cols dtype matrix (NaN when one is NaN) */
 double lora_abs_max(const void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols);
 

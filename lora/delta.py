@@ -389,9 +389,9 @@ class LoraDelta:
         (a ``Parameter`` that requires grad is fine: a merge is a weight update outside autograd,
         as PEFT's merge is), C-contiguous or the transposed view of a C-contiguous
         ``[cols, rows]`` array (PEFT ``fan_in_fan_out`` bases).  The sum is formed in float64
-        (``B @ A`` by NumPy's GEMM, the rest in C) and rounded once to ``w``'s dtype; a result
-        that would overflow that dtype is a ValueError and ``w`` is left untouched.  Scale 0
-        leaves ``w`` bit-identical.  Not covered by the bitwise guarantee (the GEMM's order)."""
+        in C (over the rank in order, no fma) and rounded once to ``w``'s dtype, with the same
+        bits on every ISA path and thread count; a result that would overflow that dtype is a
+        ValueError and ``w`` is left untouched.  Scale 0 leaves ``w`` bit-identical."""
         return merge_(w, [(self, 1.0)], self._rows, self._cols)
 
     def unmerge_from(self, w):
@@ -483,18 +483,23 @@ def _w_array(w, rows, cols):
     return w, code
 
 
-# float64 products per term and step (8 MiB): a block's products stay in the last-level cache
-# between NumPy's GEMM writing them and the C pass reading them
-_MERGE_ELEMENTS = 1 << 20
-_MERGE_ROWS = None  # rows per step; None: _MERGE_ELEMENTS // columns (tests set a few)
 _DOUBLES = ffi.typeof("double[]")
 
 
+def _product_at(left, right, i, j):
+    """(left @ right)[i, j] summed as the C merge sums it: over the rank in order, from the first
+    product (for the overflow message)."""
+    t = left[i, 0] * right[0, j]
+    for k in range(1, left.shape[1]):
+        t = t + left[i, k] * right[k, j]
+    return float(t)
+
+
 def merge_(w, terms, rows, cols):
-    """w += sum of sign * s * B @ A over (delta, sign) terms: each product formed in float64 by
-    NumPy's GEMM, a block of rows at a time, then one C pass per block adds the terms in order in
-    double and rounds once into w's dtype.  Nothing is written unless no element can overflow:
-    a bound from max |w| and the factors proves it, or a checking sweep finds none."""
+    """w += sum of sign * s * B @ A over (delta, sign) terms, in one C pass over w: each product
+    formed in float64 over the rank in order, the terms added in order, rounded once into w's
+    dtype.  Nothing is written unless no element can overflow: a bound from max |w| and the
+    factors proves it, or a checking sweep finds none."""
     arr, code = _w_array(w, rows, cols)
     live = []
     for d, sign in terms:
@@ -511,43 +516,39 @@ def merge_(w, terms, rows, cols):
     n_rows, n_cols = base.shape
     if base.size == 0:
         return w
-    factors, scales = [], []
+    lefts, rights, scales = [], [], []
     bound = 0.0
     for d, s in live:
         a, b = (f.astype(np.float64) for f in d.lora_weights())
-        left, right = (a.T, b.T) if flip else (b, a)
-        left, right = np.ascontiguousarray(left), np.ascontiguousarray(right)
-        factors.append((left, right))
+        left, right = (a.T, b.T) if flip else (b, a)  # [n_rows, r], [r, n_cols]
+        lefts.append(np.ascontiguousarray(left))
+        rights.append(np.ascontiguousarray(right))
         scales.append(s)
         bound += abs(s) * float(np.abs(left).sum(axis=1).max(initial=0.0)) * float(
             np.abs(right).max(initial=0.0))
     size = base.itemsize
     target = base if base.__array_interface__["data"][0] % size == 0 else base.copy()
-    ptr = target.__array_interface__["data"][0]  # a w at an odd byte offset: an aligned copy
-    bound += lib.lora_abs_max(ffi.cast(_VOIDP, ptr), code, n_cols, n_rows, n_cols)
+    ptr = ffi.cast(_VOIDP, target.__array_interface__["data"][0])  # odd offset: aligned copy
+    bound += lib.lora_abs_max(ptr, code, n_cols, n_rows, n_cols)
     # |result| <= bound, up to float64 rounding: below the largest finite value, no overflow
     safe = bound * (1.0 + 1e-9) < S.LARGEST[name]
-    block = min(_MERGE_ROWS or max(1, _MERGE_ELEMENTS // n_cols), n_rows)
-    bufs = [np.empty((block, n_cols)) for _ in factors]
-    dptrs = ffi.new("double *[]", [ffi.cast("double *", ffi.from_buffer(_DOUBLES, buf))
-                                   for buf in bufs])
+    keep = [ffi.from_buffer(_DOUBLES, m) for m in lefts + rights]
+    bp = ffi.new("double *[]", keep[:len(lefts)])
+    ap = ffi.new("double *[]", keep[len(lefts):])
+    ranks = ffi.new("int64_t[]", [m.shape[1] for m in lefts])
     sc = ffi.new("double[]", scales)
     for write in ((1,) if safe else (0, 1)):
-        for r0 in range(0, n_rows, block):
-            r1 = min(n_rows, r0 + block)
-            for (left, right), buf in zip(factors, bufs):
-                np.matmul(left[r0:r1], right, out=buf[:r1 - r0])
-            bad = lib.lora_merge_rows(ffi.cast(_VOIDP, ptr + r0 * n_cols * size), code, n_cols,
-                                      r1 - r0, n_cols, len(bufs), dptrs, sc, write)
-            if bad >= 0:
-                bi, bj = r0 + bad // n_cols, bad % n_cols
-                acc = float(target[bi, bj].astype(np.float64))
-                for (left, right), s in zip(factors, scales):
-                    acc = acc + s * float(left[bi] @ right[:, bj])
-                i, j = (bj, bi) if flip else (bi, bj)
-                verb = "unmerging from" if all(sg < 0 for _, sg in terms) else "merging into"
-                raise ValueError(f"{verb} w overflows its dtype {name} at [{i}, {j}]: {acc:.9g} "
-                                 f"(largest finite: {S.LARGEST[name]:.9g}); w is left untouched")
+        bad = lib.lora_merge(ptr, code, n_cols, n_rows, n_cols, len(scales), ap, bp, ranks, sc,
+                             write)
+        if bad >= 0:
+            bi, bj = bad // n_cols, bad % n_cols
+            acc = float(target[bi, bj].astype(np.float64))
+            for left, right, s in zip(lefts, rights, scales):
+                acc = acc + s * _product_at(left, right, bi, bj)
+            i, j = (bj, bi) if flip else (bi, bj)
+            verb = "unmerging from" if all(sg < 0 for _, sg in terms) else "merging into"
+            raise ValueError(f"{verb} w overflows its dtype {name} at [{i}, {j}]: {acc:.9g} "
+                             f"(largest finite: {S.LARGEST[name]:.9g}); w is left untouched")
     if target is not base:
         base[...] = target
     if A.is_tensor(w):  # an in-place update, as torch's own ops record it

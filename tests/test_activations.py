@@ -318,6 +318,16 @@ def test_a_position_scale_past_float32_is_fine_when_its_products_are(isa):
 # ------------------------------------------------------------------ merges into half weights
 
 
+def _product(b, a):
+    """B @ A in float64 summed over the rank in order from the first product (no fma): the
+    merge's documented order, element by element."""
+    b, a = b.astype(np.float64), a.astype(np.float64)
+    t = b[:, :1] * a[:1]
+    for k in range(1, a.shape[0]):
+        t = t + b[:, k:k + 1] * a[k:k + 1]
+    return t
+
+
 @pytest.mark.parametrize("wdt", ACT_NAMES)
 @pytest.mark.parametrize("transposed", [False, True])
 def test_merge_rounds_once_into_w(wdt, transposed, dtype):
@@ -326,7 +336,7 @@ def test_merge_rounds_once_into_w(wdt, transposed, dtype):
     base = _act(rng, (COLS, ROWS) if transposed else (ROWS, COLS), wdt)
     w = base.T if transposed else base
     a, b = d.lora_weights()
-    exact = w.astype(np.float64) + d.effective_scale * (b.astype(np.float64) @ a.astype(np.float64))
+    exact = w.astype(np.float64) + d.effective_scale * _product(b, a)
     # one correct rounding of the float64 sum (bfloat16: by integer arithmetic, not via float32)
     want = rne_bf16(exact) if wdt == "bfloat16" else exact.astype(ACT[wdt])
     got = d.merge_into(w)
@@ -342,22 +352,22 @@ def _merge_want(w, terms, wdt):
     exact = w.astype(np.float64)
     for d, sign in terms:
         a, b = d.lora_weights()
-        exact = exact + (sign * d.effective_scale) * (b.astype(np.float64) @ a.astype(np.float64))
+        exact = exact + (sign * d.effective_scale) * _product(b, a)
     return rne_bf16(exact) if wdt == "bfloat16" else exact.astype(ACT[wdt])
 
 
 @pytest.mark.parametrize("wdt", ACT_NAMES)
 @pytest.mark.parametrize("transposed", [False, True])
-def test_merge_blocks_and_checking_sweep_give_the_same_bits(wdt, transposed, monkeypatch):
-    """Blocks of rows (here 4), stacks (terms in order), values down to float16's subnormals;
-    a w holding a NaN takes the checking sweep before writing (no bound), with the same bits
-    everywhere else and the NaN kept."""
-    monkeypatch.setattr("lora.delta._MERGE_ROWS", 4)
+def test_merge_stacks_chunks_and_checking_sweep_give_the_same_bits(wdt, transposed, isa):
+    """Stacks (terms in order), rows longer than one chunk of the C pass (512), values down to
+    float16's subnormals, on every ISA path (the same bits everywhere); a w holding a NaN takes
+    the checking sweep before writing (no bound), with the same bits elsewhere, the NaN kept."""
     rng = np.random.default_rng(16)
-    d1 = make_delta(rng, 5, ROWS, COLS, "bfloat16", alpha=3.0, wscale=0.05)
-    d2 = make_delta(rng, 3, ROWS, COLS, "float32", scale=-0.3, wscale=1e-3)
-    mags = 10.0 ** rng.uniform(-7, 2, (ROWS, COLS))
-    base = _act(rng, (COLS, ROWS) if transposed else (ROWS, COLS), wdt)
+    rows, cols = 9, 1100
+    d1 = make_delta(rng, 5, rows, cols, "bfloat16", alpha=3.0, wscale=0.05)
+    d2 = make_delta(rng, 3, rows, cols, "float32", scale=-0.3, wscale=1e-3)
+    mags = 10.0 ** rng.uniform(-7, 2, (rows, cols))
+    base = _act(rng, (cols, rows) if transposed else (rows, cols), wdt)
     base[...] = ((mags if not transposed else mags.T) * np.sign(
         rng.standard_normal(base.shape))).astype(base.dtype)
     for stack in (lora.LoraStack([d1]), lora.LoraStack([d1, d2])):
@@ -376,9 +386,24 @@ def test_merge_blocks_and_checking_sweep_give_the_same_bits(wdt, transposed, mon
         assert_same_bits(np.ascontiguousarray(w), np.ascontiguousarray(want))
 
 
+def test_merge_bits_do_not_depend_on_threads():
+    """Large enough for a team of threads: the same bits on one thread and on the team, and
+    those of the reference sum."""
+    rng = np.random.default_rng(19)
+    d = make_delta(rng, 8, 300, 1100, "float32", alpha=16.0, wscale=0.05)
+    w0 = rng.standard_normal((300, 1100)).astype(np.float32)
+    want = _merge_want(w0, [(d, 1.0)], "float32")
+    team = w0.copy()
+    d.merge_into(team)
+    with num_threads(1):
+        one = w0.copy()
+        d.merge_into(one)
+    assert_same_bits(team, want)
+    assert_same_bits(one, want)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
-def test_merge_overflow_in_a_later_block_names_it_and_writes_nothing(transposed, monkeypatch):
-    monkeypatch.setattr("lora.delta._MERGE_ROWS", 3)
+def test_merge_overflow_in_a_later_row_names_it_and_writes_nothing(transposed):
     b = np.zeros((10, 1))
     b[7, 0] = 1.0
     d = lora.LoraDelta(np.ones((1, 4)), b, scale=70000.0)
