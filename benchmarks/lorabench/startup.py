@@ -3,7 +3,9 @@
 Each command runs in a new process (nothing cached in this one can help it), with the lora this
 benchmark measures first on its path, interleaved with a bare ``python -c pass`` (the
 interpreter's own start-up, shown alongside so the import's share is visible).  The first run of
-each is discarded (it warms the page cache); the rest give the median and min-max.
+each is discarded (it warms the page cache and writes the bytecode caches, as installing a
+package does: ``PYTHONDONTWRITEBYTECODE`` is cleared for these processes, else every run would
+compile lora's modules anew); the rest give the median and min-max.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def measure(lora, args, runs, status, monitor=None, settle_s=0.0):
     root = os.path.dirname(os.path.dirname(os.path.abspath(lora.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     time.sleep(settle_s)  # our own thread pools stop spinning first
     if monitor is not None:
         monitor.mark()
