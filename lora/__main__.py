@@ -86,6 +86,7 @@ def main(argv=None, out=None, err=None):
                 _info(out)
             else:
                 _inspect(args, out)
+            out.flush()  # a reader gone away shows here, inside the handlers below
     except BrokenPipeError:  # the reader stopped reading (`... | head`): nothing to report
         if out is sys.stdout:
             try:  # flushing at exit would fail again: point stdout at /dev/null

@@ -390,8 +390,8 @@ def test_merge_bits_do_not_depend_on_threads():
     """Large enough for a team of threads: the same bits on one thread and on the team, and
     those of the reference sum."""
     rng = np.random.default_rng(19)
-    d = make_delta(rng, 8, 300, 1100, "float32", alpha=16.0, wscale=0.05)
-    w0 = rng.standard_normal((300, 1100)).astype(np.float32)
+    d = make_delta(rng, 8, 100, 1100, "float32", alpha=16.0, wscale=0.05)  # 2^19.7 mult-adds
+    w0 = rng.standard_normal((100, 1100)).astype(np.float32)
     want = _merge_want(w0, [(d, 1.0)], "float32")
     team = w0.copy()
     d.merge_into(team)
