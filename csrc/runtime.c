@@ -153,9 +153,7 @@ int lora_get_num_threads(void) {
  * rank 64) of one thread's decode time, but a 1024 x 1024 rank-16 prefill of
  * 8 positions (two blocks of 2^17) was still 1.12x slower (minima of
  * interleaved windows). */
-#ifndef LORA_PAR_MIN_WORK /* -D for experiments (LORA_CFLAGS) */
 #define LORA_PAR_MIN_WORK ((int64_t)1 << 18)
-#endif
 #define LORA_TEAM_PAYOFF 0.9
 #define LORA_SOLO_MIN ((int64_t)10000000)   /* ns */
 #define LORA_SOLO_MAX ((int64_t)2000000000) /* ns */
