@@ -156,7 +156,8 @@ log "LORA_ISA=scalar lowers to scalar; LORA_ISA=avx2 warns and keeps neon"
 # a child, OMP_NUM_THREADS in a child, the crash-input runs) are left out: each child is a
 # 20-60 s numpy import under emulation; LORA_ISA is checked above instead.  fork() stays in.
 SUBSET=(tests/test_guarantees.py tests/test_bank.py tests/test_half.py tests/test_threads.py
-        tests/test_contract.py tests/test_delta.py tests/test_views.py tests/test_activations.py)
+        tests/test_contract.py tests/test_delta.py tests/test_views.py tests/test_activations.py
+        tests/test_golden_bits.py)
 # test_activations.py: its merges only (they widen and narrow w through the NEON table)
 K='not lora_isa_env and not subprocess and not bad_inputs and not omp_thread_limit and (neon or not test_delta.py) and (merge or not test_activations.py)'
 log "pytest under qemu-aarch64: ${SUBSET[*]} -k '$K'"
