@@ -107,11 +107,15 @@ def test_batch_and_thread_invariance(isa, dtype):
 
 @needs_two_threads
 def test_gather_batch_and_thread_invariance(isa, dtype):
-    """add_rows_to row i == add_row_to(ids[i]) for every batch size, 1 and 2 threads; with 4096
-    columns at rank 16 two rows are at the parallel threshold (2^17 multiply-adds: threads
-    split columns), and from 8 rows threads take whole blocks."""
+    """add_rows_to row i == add_row_to(ids[i]) for every batch size, 1 and 2 threads.  A row of
+    4096 columns at rank 16 is 2^16 multiply-adds: the sizes straddle the row count at which a
+    call reaches the team floor (``lib.lora_team_min_work()``; a team splits the columns), and
+    reach the sizes where threads take whole blocks."""
     rng = np.random.default_rng(6)
     d = make_delta(rng, 16, 300, 4096, dtype, alpha=16.0)
+    team_rows = -(-lib.lora_team_min_work() // (16 * 4096))
+    sizes = sorted({1, 2, 3, 5, 8, 9, 17, 33, 512} | {n for n in (team_rows - 1, team_rows,
+                                                              team_rows + 1) if 0 < n <= 512})
     ids = rng.integers(0, 300, size=max(BATCHES))
     out_all = rand(rng, (max(BATCHES), 4096))
     per_threads = {}
@@ -120,7 +124,7 @@ def test_gather_batch_and_thread_invariance(isa, dtype):
             singles = [apply("add_row_to", d, int(ids[i]), out_all[i].copy())
                        for i in range(len(ids))]
             res = {}
-            for n in [1, 2, 3, 4, 5, 8, 9, 17, 33, 512]:
+            for n in sizes:
                 got = apply("add_rows_to", d, ids[:n], out_all[:n].copy())
                 for i in range(n):
                     assert_same_bits(got[i], singles[i], f"rows {n} row {i}, {threads} threads")

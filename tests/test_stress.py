@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import lora
-from conftest import assert_same_bits, make_delta, rand
+from lora._lora_cffi import lib
+from conftest import assert_same_bits, can_run_two_threads, make_delta, rand
 
 SECONDS = float(os.environ.get("LORA_STRESS_SECONDS", "2.0"))
 N_WORKERS = 6
@@ -33,10 +34,14 @@ MAX_CALLS_PER_WORKER = 4000
 SCALE_VALUES = (1.0, -0.5)   # LoraScale S flips between these
 OTHER_VALUES = (2.0, 0.25)   # LoraScale T flips between these
 
-# Shapes: one below the OpenMP work threshold (2^17 multiply-adds: stays on the calling thread),
-# one above it (a team per call, nested under the Python threads).
+# Shapes: one far below the team work floor (lib.lora_team_min_work() multiply-adds: every call
+# stays on the calling thread), one at it (every rank-16 call opens a team, nested under the
+# Python threads, unless the team policy is backing off): a single position of rank x (rows +
+# cols) and the 7 token rows of the fixture (two blocks, rank x cols x 7 / 2 each) reach it.
+FLOOR = lib.lora_team_min_work()
 SMALL = dict(rank=8, rows=33, cols=17)
-LARGE = dict(rank=16, rows=1029, cols=515)
+_LARGE_COLS = -(-2 * FLOOR // (16 * 7)) | 1
+LARGE = dict(rank=16, rows=max(-(-FLOOR // 16) - _LARGE_COLS, 1) | 1, cols=_LARGE_COLS)
 
 
 def _delta(rng, rank, rows, cols, scale, alpha=0.0, dtype="float32"):
@@ -177,6 +182,32 @@ def _hammer(fx, ops, allowed, *, flip_scales=True, flip_threads=False, seconds=S
         fx.set_scales(SCALE_VALUES[0], OTHER_VALUES[0])
     assert not any(t.is_alive() for t in threads), "a stress thread did not finish (hang?)"
     return sum(calls), bad, errors
+
+
+@pytest.mark.skipif(not can_run_two_threads(), reason="OpenMP gives this process 1 thread")
+def test_large_shape_opens_teams():
+    """The premise of the "omp-teams" cases: called alone, their rank-16 ops open a team, and
+    no op of the small shape does."""
+    def team_calls():
+        calls, lost = lora._runtime.ffi.new("int64_t *"), lora._runtime.ffi.new("int64_t *")
+        lib.lora_team_stats(calls, lost)
+        return calls[0]
+
+    # (not bank.add_rows_to: a bank cuts positions into blocks per adapter, and its 7 token rows
+    # over two adapters make blocks of at most 3 rows, each below the floor)
+    names = ["delta.add_to", "delta.add_batch_to", "bf16.add_batch_to", "delta.add_rows_to",
+             "other.add_batch_to", "mixed_stack.add_batch_to", "mixed_stack.add_rows_to",
+             "bank.add_batch_to"]
+    for shape, team in ((LARGE, True), (SMALL, False)):
+        fx = _Fixture(shape, seed=3)
+        for name in names:
+            fn, init, _ = fx.ops[name]
+            lib.lora_team_reset()
+            try:
+                fn(init.copy())
+                assert (team_calls() > 0) == team, (shape, name, team_calls())
+            finally:
+                lib.lora_team_reset()
 
 
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["below-omp-threshold", "omp-teams"])
