@@ -43,12 +43,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 CC_BIN="${CC:-gcc}"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/lora-sanitize.XXXXXX")"
-cleanup() { if [ "${SANITIZE_KEEP:-0}" = 1 ]; then echo "kept $WORK"; else rm -rf "$WORK"; fi; }
-trap cleanup EXIT
-start=$SECONDS
-log() { printf '[sanitize %4ds] %s\n' "$((SECONDS - start))" "$*"; }
 . "$ROOT/.ci/stage_lib.sh"
+stage_begin sanitize SANITIZE_KEEP
 
 # --- 1. a clean copy of the checkout ---------------------------------------------------------
 mkdir -p "$WORK/src" "$WORK/logs" "$WORK/out"
@@ -57,18 +53,17 @@ copy_checkout
 # --- 2. Python with the test dependencies ----------------------------------------------------
 python_with_test_deps
 
-
 # --- 3. the instrumented build ---------------------------------------------------------------
 SAN_FLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g"
 log "building with LORA_CFLAGS='$SAN_FLAGS'"
 export CC="$CC_BIN"
-build_into_copy "$SAN_FLAGS" || { cat "$WORK/build.log"; log "FAIL: instrumented build"; exit 1; }
+build_into_copy "$SAN_FLAGS" || { cat "$WORK/build.log"; fail "instrumented build"; }
 SO="$(ls "$WORK"/src/lora/_lora_cffi*.so)"
 if ! ldd "$SO" | grep libasan >/dev/null; then
-    ldd "$SO"; log "FAIL: $SO does not link libasan: LORA_CFLAGS did not reach the build"; exit 1
+    ldd "$SO"; fail "$SO does not link libasan: LORA_CFLAGS did not reach the build"
 fi
 ASAN_RT="$("$CC_BIN" -print-file-name=libasan.so)"
-[ -e "$ASAN_RT" ] || { log "FAIL: no ASan runtime at '$ASAN_RT'"; exit 1; }
+[ -e "$ASAN_RT" ] || fail "no ASan runtime at '$ASAN_RT'"
 # libstdc++ right after the ASan runtime: CPython is C, so otherwise ASan's __cxa_throw
 # interceptor finds no real __cxa_throw and the first C++ exception torch throws (a
 # RuntimeError in Python) aborts the process instead.
@@ -103,7 +98,7 @@ small = ffi.new("float[4]")
 lib.lora_delta_export(d._ptr, small, small)
 ') >/dev/null 2>&1 && true
 if ! grep -qs "heap-buffer-overflow" "$WORK"/canary/asan.*; then
-    log "FAIL: the ASan canary was not reported: the sanitizer runtime is not active"; exit 1
+    fail "the ASan canary was not reported: the sanitizer runtime is not active"
 fi
 log "canary: ASan reports a deliberate overflow in the extension (instrumentation is live)"
 

@@ -1,5 +1,5 @@
-# Shared by the .ci/*.sh stages (sourced; sanitize.sh and valgrind.sh set ROOT, PY and WORK
-# first, the others set ROOT and PY and call stage_begin).
+# Shared by the .ci/*.sh stages.  Each stage script sets ROOT (the checkout) and PY (the Python to
+# build and test with), sources this file and calls stage_begin with its name.
 
 # A clean copy of the checkout in $WORK/src (tracked + untracked-but-not-ignored files, no build
 # outputs), so the developer's in-place build is never replaced by an instrumented one.
@@ -33,9 +33,9 @@ sys.exit(0 if mods else "no compiled lora/_lora_cffi module in " + whl)
 PYEOF
 }
 
-# Begin a stage script (the stages added after sanitize/valgrind use this): $1 the stage's
-# name, $2 the variable that keeps its work directory when set to 1 (e.g. NEON_KEEP).  Sets WORK
-# to a fresh temporary directory, removed on exit unless kept, and defines log and fail.
+# Begin a stage script: $1 the stage's name, $2 the variable that keeps its work directory when
+# set to 1 (e.g. NEON_KEEP).  Sets WORK to a fresh temporary directory, removed on exit unless
+# kept, and defines log and fail.
 stage_begin() {
     STAGE_NAME="$1" STAGE_KEEP="$2" STAGE_START=$SECONDS
     WORK="$(mktemp -d "${TMPDIR:-/tmp}/lora-$1.XXXXXX")"
@@ -44,13 +44,18 @@ stage_begin() {
     fail() { log "FAIL: $*"; exit 1; }
 }
 
-# Set PY to a Python that has the test dependencies: $PY itself, or a throwaway venv in $WORK.
-python_with_test_deps() {
-    if ! "$PY" -c "import numpy, cffi, ml_dtypes, safetensors, gguf, pytest, hypothesis" >/dev/null 2>&1; then
-        log "$PY lacks test dependencies; creating a throwaway venv"
+# Set PY to a Python that imports every module named ($@; each is also its package's name on
+# the index): $PY itself, or a throwaway venv in $WORK with those packages.
+python_with() {
+    if ! "$PY" -c "import $(IFS=,; echo "$*")" >/dev/null 2>&1; then
+        log "$PY lacks some of: $*; creating a throwaway venv"
         "$PY" -m venv "$WORK/venv"
-        "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check \
-            numpy cffi ml_dtypes safetensors gguf pytest hypothesis threadpoolctl
+        "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check "$@"
         PY="$WORK/venv/bin/python"
     fi
+}
+
+# Set PY to a Python that has the test dependencies (the suite without torch, PEFT, transformers).
+python_with_test_deps() {
+    python_with numpy cffi ml_dtypes safetensors gguf pytest hypothesis threadpoolctl
 }

@@ -27,28 +27,16 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/lora-valgrind.XXXXXX")"
-cleanup() { if [ "${VALGRIND_KEEP:-0}" = 1 ]; then echo "kept $WORK"; else rm -rf "$WORK"; fi; }
-trap cleanup EXIT
-start=$SECONDS
-log() { printf '[valgrind %4ds] %s\n' "$((SECONDS - start))" "$*"; }
 . "$ROOT/.ci/stage_lib.sh"
+stage_begin valgrind VALGRIND_KEEP
 
-command -v valgrind >/dev/null || { log "FAIL: valgrind is not installed (apt-get install valgrind)"; exit 1; }
+command -v valgrind >/dev/null || fail "valgrind is not installed (apt-get install valgrind)"
 
 copy_checkout
-
-if ! "$PY" -c "import numpy, cffi, ml_dtypes, safetensors, gguf" >/dev/null 2>&1; then
-    log "$PY lacks dependencies; creating a throwaway venv"
-    "$PY" -m venv "$WORK/venv"
-    "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check \
-        numpy cffi ml_dtypes safetensors gguf
-    PY="$WORK/venv/bin/python"
-fi
-
+python_with numpy cffi ml_dtypes safetensors gguf
 
 log "building the extension (no sanitizers)"
-build_into_copy "" || { cat "$WORK/build.log"; log "FAIL: build"; exit 1; }
+build_into_copy "" || { cat "$WORK/build.log"; fail "build"; }
 
 status=0
 summary=""
