@@ -14,6 +14,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
+pytestmark = pytest.mark.model   # builds transformers / PEFT models: the README stage runs these
+
 VOCAB = 128
 
 
