@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 
 import lora
-from _adapter_files import write_gguf
+from _adapter_files import peft_config, write_gguf
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -240,11 +240,8 @@ class Case:
 
 
 def _peft_config(r, alpha, targets, **extra):
-    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": targets,
-           "bias": "none", "use_rslora": False, "fan_in_fan_out": False, "use_dora": False,
-           "rank_pattern": {}, "alpha_pattern": {}, "task_type": "CAUSAL_LM"}
-    cfg.update(extra)
-    return json.dumps(cfg, indent=2).encode()
+    return json.dumps(peft_config(r=r, lora_alpha=alpha, target_modules=targets, **extra),
+                      indent=2).encode()
 
 
 def _safetensors_bytes(tensors):
