@@ -6,8 +6,10 @@
                 (the extension's C read kernel ``lora_bench_read``), nominal compute peak, and the
                 CPU other processes take while we measure (``/proc/stat``, ``/proc/loadavg``);
 * ``timing``    pre-bound calls in calibrated loops, rounds over the implementations, medians;
-* ``workloads`` the rows (decode, prefill, gather, stack, model sweep, bank), their baselines and
-                bytes / flops model, and the roofline / speedup analysis;
+* ``workloads`` the rows, one module per family (decode/prefill/stack, gather, model sweep, bank,
+                bf16 activations, edge, adapter-set step, merge), each with its bytes / flops
+                model; the NumPy and PyTorch baselines written once (``baselines``); the runner
+                and the roofline / speedup analysis (``runner``);
 * ``startup``   ``python -c "import lora"`` and ``python -m lora info`` in fresh processes;
 * ``peftmodel`` whole-model rows: a Llama-shaped PEFT model run by PEFT and by ``accelerate_peft``;
 * ``targets``   the speed targets as a table, and the one function that judges them;
@@ -22,8 +24,8 @@ and is compared in the same run, at the same thread count, with
 * NumPy naive:  ``out += s * (B @ (A @ x))``; batches ``out += s * ((x @ A.T) @ B.T)``;
   token rows ``out += s * (B[ids] @ A)``; mixed batches: a loop over ``np.unique(ids)`` with
   fancy indexing (what PEFT's mixed-batch forward does, in NumPy);
-* NumPy tuned:  preallocated buffers, ``np.matmul(..., out=)``, the scale applied to the
-  rank-sized intermediate in place, ``np.add(out, z, out=out)``;
+* NumPy tuned:  preallocated buffers, ``np.matmul(..., out=)`` on pre-transposed factors, the scale
+  applied to the rank-sized intermediate in place, ``np.add(out, z, out=out)``;
 * PyTorch CPU (when importable, and not ``--no-torch``): ``torch.matmul(out=)`` then
   ``out.addmv_`` / ``out.addmm_(..., alpha=s)`` on ``torch.from_numpy`` views (no copies); for
   float16 / bfloat16 rows the adapters are stored in that dtype in torch as well; mixed batches:
@@ -43,7 +45,7 @@ thread count, best of N rounds over all levels, at start-up and again at the end
 better figure).  A workload's working set (= its bytes per call, which the timed loop re-reads
 every call) lives in the smallest level that holds it.  The model sweep is sized from the
 machine's last-level cache (its half-precision adapters >= 2x the LLC, see
-``workloads.size_sweep``) so that it streams from DRAM; its roof is the read kernel on a buffer
+``workloads.sweep.size_sweep``) so that it streams from DRAM; its roof is the read kernel on a buffer
 as large as the sweep, and its DRAM target divides by the DRAM figure, both measured interleaved
 with it.  The lower bound of a call's time is max(bytes / bandwidth(level), flops / peak), with
 peak = threads x nominal GHz x SIMD lanes x 2 (FMA) x 2 FMA ports; "% roof" is that bound over

@@ -47,7 +47,7 @@ def parse_args(argv, description):
 
 COLUMNS_NOTE = [
     "columns: ours = end to end through the Python API; GB/s, GFLOP/s from the bytes/flops model (see",
-    "  lorabench/workloads.py); level = where the working set lives; %roof = roofline bound / measured median;",
+    "  lorabench/workloads/); level = where the working set lives; %roof = roofline bound / measured median;",
     "  vs X = X's median / ours (> 1: lora is faster). Half-precision rows: naive/tuned are the NumPy float32",
     "  baselines of the same shape; torch stores the adapters in the same half dtype; torch f32 is the float32",
     "  torch row (a user who upcasts the adapters once).",

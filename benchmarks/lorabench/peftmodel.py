@@ -62,7 +62,7 @@ class PeftModels:
             import transformers
             from peft import LoraConfig, get_peft_model
         except ImportError as e:
-            raise Skip(f"needs peft and transformers (pip install -e '.[peft]'): {e}") from None
+            raise Skip(f"needs peft and transformers (pip install -c .ci/constraints.txt '.[bench]'): {e}") from None
         self.torch, self.lora, self.layers = torch, ctx.lora, layers
         torch.manual_seed(0)
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,

@@ -1,0 +1,135 @@
+"""The baselines the linear families (decode, prefill, stack, model sweep, bf16 activations) are
+compared with, written once.
+
+A *call* is ``(a, b, s, x, out)``: ``A [rank, cols]`` and ``B [rows, rank]`` as float32 NumPy
+arrays, the effective scale ``s``, and ``x [cols]`` (decode) or ``x [n, cols]`` with ``out
+[rows]`` or ``[n, rows]``.  One implementation runs its calls in order (a stack: several deltas
+on the same x and out; the model sweep: one call per projection of every layer).  Every builder
+returns a `timing.Impl` whose outputs are its own (the caller passes fresh ``out`` buffers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..timing import Impl
+
+
+def calls(terms, x, out):
+    """The calls of `terms` ``[(a, b, s)]`` on one x and out (one delta, or a stack in order)."""
+    return [(a, b, s, x, out) for a, b, s in terms]
+
+
+def numpy_naive(calls):
+    """What a NumPy user writes first: ``out += s * (B @ (A @ x))``; batches ``out += s * ((x @
+    A.T) @ B.T)``; temporaries allocated by every call."""
+    if calls[0][3].ndim == 1:
+        def naive(calls=calls):
+            for a, b, s, x, o in calls:
+                o += s * (b @ (a @ x))
+    else:
+        def naive(calls=calls):
+            for a, b, s, x, o in calls:
+                o += s * ((x @ a.T) @ b.T)
+    return Impl(naive)
+
+
+def numpy_tuned(calls):
+    """NumPy with nothing allocated in the loop: ``y = x @ A.T`` (decode ``A @ x``) into a
+    preallocated rank-sized buffer with ``np.matmul(..., out=)`` (the factors pre-transposed
+    once, as views), the scale applied to ``y`` in place, ``z = y @ B.T`` into a preallocated
+    out-sized buffer, ``np.add(out, z, out=out)``.  Calls of one shape share their buffers."""
+    ys, zs = {}, {}
+    mm, add, mul = np.matmul, np.add, np.multiply
+
+    def y_(x, a):
+        shape = x.shape[:-1] + (a.shape[0],)
+        return ys.setdefault(shape, np.empty(shape, np.float32))
+
+    def z_(o):
+        return zs.setdefault(o.shape, np.empty(o.shape, np.float32))
+
+    if calls[0][3].ndim == 1:
+        bound = [(a, b, s, x, o, y_(x, a), z_(o)) for a, b, s, x, o in calls]
+
+        def tuned(calls=bound, mm=mm, add=add, mul=mul):
+            for a, b, s, x, o, y, z in calls:
+                mm(a, x, out=y)
+                mul(y, s, out=y)
+                mm(b, y, out=z)
+                add(o, z, out=o)
+    else:
+        bound = [(a.T, b.T, s, x, o, y_(x, a), z_(o)) for a, b, s, x, o in calls]
+
+        def tuned(calls=bound, mm=mm, add=add, mul=mul):
+            for at, bt, s, x, o, y, z in calls:
+                mm(x, at, out=y)
+                mul(y, s, out=y)
+                mm(y, bt, out=z)
+                add(o, z, out=o)
+    return Impl(tuned)
+
+
+def torch_baseline(torch, calls, dtype):
+    """PyTorch CPU doing the job by hand, preallocated, with the factors as torch tensors of
+    `dtype` (``torch.from_numpy`` views when that is float32: no copies); ``x`` and ``out`` of
+    each call are torch tensors of their own dtype.
+
+    * factors, x and out of one dtype: ``y = torch.matmul(x, A.T, out=)`` (decode ``A @ x``),
+      then ``out.addmm_(y, B.T, alpha=s)`` (decode ``addmv_``): the second product and the add
+      in one BLAS call;
+    * factors of another dtype (float16 / bfloat16 adapters under float32 activations; PEFT's
+      float32 upcast of bfloat16 activations): each distinct x is copied into a buffer of the
+      factors' dtype once per run, ``y = x @ A.T`` and ``z = y @ B.T`` into preallocated buffers
+      of that dtype, then ``out.add_(z, alpha=s)`` (rounded once into out's dtype).
+
+    Calls of one shape share their buffers."""
+    tm = torch.matmul
+    ys, zs, xs = {}, {}, {}
+    decode = calls[0][3].dim() == 1
+
+    def buf(store, shape):
+        return store.setdefault(tuple(shape), torch.empty(tuple(shape), dtype=dtype))
+
+    fused = all(x.dtype == dtype and o.dtype == dtype for _, _, _, x, o in calls)
+    bound = []
+    for a, b, s, x, o in calls:
+        at, bt = torch.from_numpy(a).to(dtype), torch.from_numpy(b).to(dtype)
+        if not decode:
+            at, bt = at.T, bt.T
+        y = buf(ys, tuple(x.shape[:-1]) + (a.shape[0],))
+        if fused:
+            bound.append((at, bt, s, x, o, y))
+        else:
+            if id(x) not in xs:
+                xs[id(x)] = (torch.empty(tuple(x.shape), dtype=dtype), x)
+            bound.append((at, bt, s, xs[id(x)][0], o, y, buf(zs, o.shape)))
+    convert = list(xs.values())
+
+    if fused and decode:
+        def torch_fn(calls=bound, tm=tm):
+            for a, b, s, x, o, y in calls:
+                tm(a, x, out=y)
+                o.addmv_(b, y, alpha=s)
+    elif fused:
+        def torch_fn(calls=bound, tm=tm):
+            for at, bt, s, x, o, y in calls:
+                tm(x, at, out=y)
+                o.addmm_(y, bt, alpha=s)
+    elif decode:
+        def torch_fn(calls=bound, convert=convert, tm=tm):
+            for h, f in convert:  # each activation converted once per run
+                h.copy_(f)
+            for a, b, s, x, o, y, z in calls:
+                tm(a, x, out=y)
+                tm(b, y, out=z)
+                o.add_(z, alpha=s)
+    else:
+        def torch_fn(calls=bound, convert=convert, tm=tm):
+            for h, f in convert:
+                h.copy_(f)
+            for at, bt, s, x, o, y, z in calls:
+                tm(x, at, out=y)
+                tm(y, bt, out=z)
+                o.add_(z, alpha=s)
+    return Impl(torch_fn)
