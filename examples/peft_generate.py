@@ -1,6 +1,6 @@
 """``lora.accelerate_peft``: PEFT's own ``generate`` for a mixed batch, with and without it.
 
-    pip install -e ".[peft]"
+    pip install -c .ci/constraints.txt -e ".[peft]"   # the tested torch (a CPU build), PEFT, transformers
     python examples/peft_generate.py     # ~30 s on 2 cores; nothing is downloaded
 
 A small random Llama built from a config, two PEFT LoRA adapters (``init_lora_weights=False``:

@@ -1,6 +1,6 @@
 """A multi-adapter serving loop: one base model, three LoRA adapters, a mixed batch per step.
 
-    pip install -e ".[peft]"     # torch, peft, transformers: only to write the adapter files
+    pip install -c .ci/constraints.txt -e ".[peft]"   # torch, peft, transformers: only to write the adapter files
     python examples/serve.py     # a few seconds; nothing is downloaded
 
 What it shows:
