@@ -4,6 +4,9 @@
   ``lora._runtime.set_isa`` and restores the previous path afterwards.
 - ``dtype``: the three storage dtypes.
 - hypothesis profiles: "ci" (bounded examples, no deadline) when ``CI`` is set, "dev" otherwise.
+- the ``model`` marker: tests that build transformers / PEFT models.  The README's test command
+  runs them; CI's other stages (serial build, sanitizers, installed wheel) deselect them with
+  ``-m "not model"``, since they exercise nothing build-specific.
 - The oracle (the accuracy rule of docs/guarantees.md): ``||ours - ref||_2 <= 2 ||numpy32 - ref||_2 + 1e-9 ||ref||_2``
   with ``ref`` computed in float64 and ``numpy32`` NumPy's float32 ``out + s * (x @ A.T) @ B.T``,
   both on the weights *as stored* (``delta.lora_weights()``, i.e. after f16/bf16 rounding).
@@ -31,6 +34,14 @@ settings.register_profile(
     "dev", max_examples=60, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+
+def pytest_configure(config):
+    # here rather than in pyproject.toml: the wheel stage runs a copy of tests/ without it
+    config.addinivalue_line(
+        "markers", "model: builds a transformers / PEFT model (deselect with -m 'not model')")
+
 
 ISAS = _runtime.available_isas()
 DTYPES = ["float32", "float16", "bfloat16"]
