@@ -36,7 +36,6 @@ settings.register_profile(
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
-
 def pytest_configure(config):
     # here rather than in pyproject.toml: the wheel stage runs a copy of tests/ without it
     config.addinivalue_line(

@@ -12,10 +12,11 @@ What must hold for every input (the "bad files" rules of docs/file-formats.md):
 
 Seeds are built here with ``safetensors.numpy.save`` and the tests' one GGUF writer
 (``_adapter_files.write_gguf``, over ``gguf.GGUFWriter``: F32, F16, BF16, F64 and Q8_0 tensors,
-embeddings, norm tensors, rank/alpha patterns), plus the upstream files in ``tests/fixtures``.  Mutations: truncation, bit flips, byte splices, integers written over the
-header's own fields (counts, lengths, dims, types, offsets) with huge/negative/boundary values,
-safetensors header edits (dtypes, shapes, offsets, renamed/deleted/duplicated names), GGUF
-duplicate names, and adapter_config.json edits.
+embeddings, norm tensors, rank/alpha patterns), plus the upstream files in ``tests/fixtures``.
+Mutations: truncation, bit flips, byte splices, integers written over the header's own fields
+(counts, lengths, dims, types, offsets) with huge/negative/boundary values, safetensors header
+edits (dtypes, shapes, offsets, renamed/deleted/duplicated names), GGUF duplicate names, and
+adapter_config.json edits.
 
 Every load runs in a worker subprocess (one per test module, restarted after a failure), so a
 segfault or an abort fails the test that caused it instead of killing pytest; each load has a

@@ -273,7 +273,8 @@ def test_small_calls_never_open_a_team(fresh_policy):
     blocks of half of it each, and a team would meet at barriers in every block: one thread."""
     floor = lib.lora_team_min_work()
     r_team = floor // 8192
-    assert r_team >= 2 and r_team * 8192 == floor, "the shapes below assume a floor of 2^k >= 2^14"
+    assert r_team >= 2 and r_team % 2 == 0 and r_team * 8192 == floor, \
+        f"the shapes below assume a floor that is an even multiple of 8192, not {floor}"
     rng = np.random.default_rng(4)
     d_half = make_delta(rng, r_team // 2, 4096, 4096, "float32")   # floor / 2: one thread
     d_team = make_delta(rng, r_team, 4096, 4096, "float32")        # the floor: a team
