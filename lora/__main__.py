@@ -8,6 +8,8 @@ import os
 import sys
 import warnings
 
+from . import _dtypes as dtypes
+
 
 class _UsageError(Exception):
     pass
@@ -26,7 +28,7 @@ def _parser():
     ins.add_argument("path", help="PEFT adapter directory / adapter_model.safetensors, or .gguf")
     ins.add_argument("--scale", type=float, default=1.0,
                      help="user scale (llama.cpp --lora-scaled), default 1")
-    ins.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+    ins.add_argument("--dtype", choices=dtypes.NAMES, default=None,
                      help="storage dtype (default: the file's)")
     return p
 

@@ -2,8 +2,8 @@
 and merge targets `w` (NumPy arrays or CPU torch tensors, float32 / float16 / bfloat16), token
 ids, adapter ids and per-position scales.
 
-Each array becomes a C pointer, a dtype code (the LORA_DTYPE_* of csrc/lora.h) and, for the
-batched methods, the number of positions and the leading dimension: the leading axes of
+Each array becomes a C pointer, a dtype code (`lora._dtypes`, the one list of dtypes) and, for
+the batched methods, the number of positions and the leading dimension: the leading axes of
 ``[..., n]`` must collapse to one axis with one stride (as NumPy's flags judge it: size-1 axes
 ignored) and the last axis must be contiguous.  An `x` that does not fit is converted to a
 float32 copy; an `out` that does not fit is refused, never written through a hidden copy.
@@ -17,46 +17,23 @@ import sys
 
 import numpy as np
 
+from . import _dtypes as dtypes
 from ._lora_cffi import ffi, lib
 
-F32 = np.dtype(np.float32)
-F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)  # what an x the kernels cannot read in place is converted to
 I64 = np.dtype(np.int64)
 I64_MAX = np.iinfo(np.int64).max
-DT_F32, DT_F16, DT_BF16 = lib.LORA_DTYPE_F32, lib.LORA_DTYPE_F16, lib.LORA_DTYPE_BF16
-_NP_CODES = {F32: DT_F32, F16: DT_F16}
-_TORCH_CODES = None  # {torch.float32: DT_F32, ...}, filled at the first tensor
+_F32_CODE = dtypes.CODES["float32"]
+_TORCH_CODES = None  # dtypes.torch_codes(), filled at the first tensor
 _GRAD_ENABLED = _BUMP = None  # torch.is_grad_enabled, the version bump: filled with it
 _VOIDP = ffi.typeof("void *")
-
-
-def is_bf16(dt):
-    """True for ml_dtypes' bfloat16, recognised by name so that ml_dtypes need not be imported."""
-    return dt.name == "bfloat16" and dt.itemsize == 2
-
-
-FAST_CODES = {id(F32): DT_F32, id(F16): DT_F16}  # see lora.delta's fast paths
-
-
-def np_code(dt):
-    """The dtype code of a native float32/float16/bfloat16 NumPy dtype, else None."""
-    code = FAST_CODES.get(id(dt))
-    if code is not None:
-        return code
-    code = _NP_CODES.get(dt)
-    if code is None and is_bf16(dt):
-        code = DT_BF16
-        if dt.isnative and dt is np.dtype(dt.type):  # the canonical object: remember it
-            FAST_CODES[id(dt)] = DT_BF16
-            _KEEP.append(dt)
-    return code if dt.isnative else None
-
-
-_KEEP = []  # dtype objects whose id() is in FAST_CODES stay alive
+np_code = dtypes.np_code
 
 
 def is_float_dtype(dt):
-    return dt.kind == "f" or is_bf16(dt)
+    """A real floating NumPy dtype: NumPy's own (float64 included) or one of the dtypes of
+    another package that the kernels read (ml_dtypes' bfloat16)."""
+    return dt.kind == "f" or dtypes.is_extra_float(dt)
 
 
 def torch_module():
@@ -78,7 +55,7 @@ def tensor_vec(x, out, xshape, oshape):
     element (or through torch's private ``_neg_view``), and one-element x or out rows take the
     checked path, which resolves the bit."""
     try:
-        codes = _TORCH_CODES or _torch_codes()
+        codes = _TORCH_CODES or _torch_init()
         xc, oc = codes.get(x.dtype), codes.get(out.dtype)
         if (xc is None or oc is None or xshape[0] <= 1 or oshape[0] <= 1
                 or not (x.is_cpu and out.is_cpu) or out.requires_grad
@@ -95,7 +72,7 @@ def tensor_batch(x, out, cols, rows):
     """As tensor_vec for the batched methods (contiguous, any leading axes): (x address, code,
     out address, code, positions) or None."""
     try:
-        codes = _TORCH_CODES or _torch_codes()
+        codes = _TORCH_CODES or _torch_init()
         xc, oc = codes.get(x.dtype), codes.get(out.dtype)
         if (xc is None or oc is None or cols <= 1 or rows <= 1 or not (x.is_cpu and out.is_cpu)
                 or out.requires_grad):
@@ -127,7 +104,7 @@ def note_write(t):
         _BUMP((t,))
 
 
-def _torch_codes():
+def _torch_init():
     """Fill the tensor dtype codes and the autograd hooks at the first tensor seen: the version
     bump is torch's own ``autograd.graph.increment_version`` without its Python wrapper (~0.1 us
     a call) where torch has that entry point."""
@@ -135,12 +112,13 @@ def _torch_codes():
     torch = torch_module()
     _GRAD_ENABLED = torch.is_grad_enabled
     _BUMP = getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version
-    _TORCH_CODES = {torch.float32: DT_F32, torch.float16: DT_F16, torch.bfloat16: DT_BF16}
+    _TORCH_CODES = dtypes.torch_codes()
     return _TORCH_CODES
 
 
 def torch_code(t):
-    return (_TORCH_CODES or _torch_codes()).get(t.dtype)
+    """The dtype code of tensor `t`'s dtype, or None."""
+    return (_TORCH_CODES or _torch_init()).get(t.dtype)
 
 
 def check_tensor_place(t, what):
@@ -247,7 +225,7 @@ def no_overlap(x, out):
 # ------------------------------------------------------------------- outputs
 
 
-_OUT_KINDS = "float32, float16 or bfloat16"
+_OUT_KINDS = dtypes.either()
 
 
 def check_out(out, shape, what="out", shown=None, *, batched=False):
@@ -338,10 +316,10 @@ def float_array(value, what):
     if is_tensor(value):
         check_tensor_place(value, what)
         t = value.detach().resolve_neg()
-        if t.dtype == torch_module().bfloat16:
-            from ._storage import bf16
-
-            return t.view(torch_module().int16).numpy().view(bf16())
+        d = dtypes.BY_CODE.get(torch_code(t))
+        if d is not None and d.foreign:  # torch's .numpy() lacks it: its bits, viewed
+            bits = getattr(torch_module(), f"int{8 * d.itemsize}")
+            return t.view(bits).numpy().view(d.numpy)
         if not t.dtype.is_floating_point:
             raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 "
                             f"or float64); got dtype {dtype_name(t)}")
@@ -388,7 +366,7 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
         copy = x.detach().resolve_neg().to(device="cpu", dtype=torch_module().float32).contiguous()
         if copy.data_ptr() == x.data_ptr():
             copy = copy.clone()
-        return copy, ffi.cast(_VOIDP, copy.data_ptr()), DT_F32, shape[-1]
+        return copy, ffi.cast(_VOIDP, copy.data_ptr()), _F32_CODE, shape[-1]
     xa = x if isinstance(x, np.ndarray) else float_array(x, what)
     if not is_float_dtype(xa.dtype):
         raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 or "
@@ -404,7 +382,7 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
                 return xa, ffi.cast(_VOIDP, xa.__array_interface__["data"][0]), code, layout[1]
     no_overlap(xa, out)
     xa = _float32_copy(xa)
-    return xa, ffi.from_buffer(xa), DT_F32, shape[-1]
+    return xa, ffi.from_buffer(xa), _F32_CODE, shape[-1]
 
 
 def _check_shape(got, want, what, lead_of):
@@ -474,7 +452,7 @@ def as_scales(scales, what="scales"):
                             f"{dtype_name(scales)}")
         scales = scales.detach().resolve_neg().to(torch.float64).numpy()
     arr = np.asarray(scales)
-    if arr.dtype.kind == "b" or not (arr.dtype.kind in "iuf" or is_bf16(arr.dtype)):
+    if arr.dtype.kind == "b" or not (arr.dtype.kind in "iuf" or dtypes.is_extra_float(arr.dtype)):
         raise TypeError(f"{what} must be real numbers (not bool); got dtype {arr.dtype}")
     if not np.isfinite(arr.astype(np.float64)).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr.astype(np.float64)))[0])

@@ -16,12 +16,12 @@ import weakref
 
 import numpy as np
 
+from . import _dtypes as dtypes
 from .delta import EntryTable, LoraDelta, LoraStack
 from .scale import F32_OVERFLOW, LoraScale
 
 __all__ = ["accelerate_peft", "PeftAcceleration"]
 
-_DTYPES = None  # {torch dtype: storage name}
 _ACCELERATED = weakref.WeakKeyDictionary()  # model -> its PeftAcceleration while active
 _LAYERS = weakref.WeakKeyDictionary()  # PEFT layer module -> its _Layer while accelerated
 
@@ -97,15 +97,6 @@ def accelerate_peft(model):
     ``Embedding`` layer, or one already accelerated (``restore()`` it first).
     """
     return PeftAcceleration(model)
-
-
-def _torch_dtypes():
-    global _DTYPES
-    if _DTYPES is None:
-        import torch
-
-        _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-    return _DTYPES
 
 
 class PeftAcceleration:
@@ -303,8 +294,7 @@ class _Layer:
         return delta
 
     def _make_view(self, a, ta, tb):
-        dtypes = _torch_dtypes()
-        name = dtypes.get(ta.dtype)
+        name = dtypes.NAME_OF.get(dtypes.torch_codes().get(ta.dtype))
         if name is None or tb.dtype != ta.dtype:
             return f"adapter {a!r} weights are {ta.dtype}/{tb.dtype}"
         if not (ta.is_cpu and tb.is_cpu):
@@ -357,7 +347,7 @@ class _Layer:
         if not isinstance(x, torch.Tensor) or not x.is_cpu:
             return "the input is not a CPU tensor"
         base_weight = getattr(m.get_base_layer(), "weight", None)
-        if base_weight is not None and _torch_dtypes().get(base_weight.dtype) is None:
+        if base_weight is not None and dtypes.torch_codes().get(base_weight.dtype) is None:
             return f"the base layer's weight is {base_weight.dtype}"
         static = module_reason(self.acc, m, names)
         if static is not None:
@@ -492,7 +482,7 @@ class _Layer:
     def _active(self, x, result, names, alora_offsets):
         """The active adapters, summed in PEFT's order into `result`; returns False when the
         output dtype is not one the kernels write."""
-        if _torch_dtypes().get(result.dtype) is None:
+        if dtypes.torch_codes().get(result.dtype) is None:
             return False
         views = [self.views[a][1] for a in names]  # their scales were set by forward()
         alora = [self._is_alora(a) for a in names]
@@ -513,7 +503,7 @@ class _Layer:
 
     def _mixed(self, x, result, adapter_names, names, alora_offsets):
         """A mixed batch (PEFT's adapter_names): one bank call, row b on its own adapter."""
-        if _torch_dtypes().get(result.dtype) is None:
+        if dtypes.torch_codes().get(result.dtype) is None:
             return False
         if not names:
             return True
@@ -544,7 +534,7 @@ class _Plan:
         m = layer.module
         self.layer = layer
         self.torch = layer.acc._torch
-        self.codes = _torch_dtypes()
+        self.codes = dtypes.torch_codes()
         self.active = m.__dict__.get("_active_adapter")
         self.names = tuple(names)
         lora_a, lora_b = m._modules["lora_A"]._modules, m._modules["lora_B"]._modules

@@ -18,13 +18,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from . import _dtypes as dtypes
 from .delta import LoraDelta, peft_delta
 from .errors import LoraFormatError, LoraShapeError
 from .scale import F32_OVERFLOW, LoraScale
 
 __all__ = ["LoraAdapter"]
-
-_STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _int_arg(value, what, minimum):
@@ -347,8 +346,8 @@ def storage_arg(dtype):
             name = np.dtype(dtype).name
         except TypeError:
             name = repr(dtype)
-    if name not in _STORAGE_DTYPES:
-        raise ValueError(f"dtype must be None, 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+    if name not in dtypes.NAMES:
+        raise ValueError(f"dtype must be None, {dtypes.QUOTED}, got {dtype!r}")
     return name
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import _arrays as A
+from . import _arrays as arrays
 from .bank import need_ids
 from .delta import EntryTable, LoraDelta, LoraStack
 from .errors import LoraShapeError
@@ -265,11 +265,11 @@ class _SetBank:
 def _no_free_slot(snap, adapter_ids):
     """A free slot used as an id is an IndexError naming it (checked only while a set has
     holes: the common case costs nothing)."""
-    ids = A.as_ids(adapter_ids, "adapter_ids", any_shape=True)
+    ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
     flat = ids.reshape(-1)
     inside = (flat >= 0) & (flat < snap.free.size)
     hit = np.flatnonzero(inside & snap.free[np.where(inside, flat, 0)])
     if hit.size:
         pos = int(hit[0])
-        raise IndexError(f"adapter id {int(flat[pos])} at position {A.position_of(ids, pos)} names a "
-                         f"free slot of the set (its adapter was removed)")
+        raise IndexError(f"adapter id {int(flat[pos])} at position {arrays.position_of(ids, pos)} "
+                         f"names a free slot of the set (its adapter was removed)")

@@ -13,8 +13,8 @@ import weakref
 
 import numpy as np
 
-from . import _arrays as A
-from . import _storage as S
+from . import _arrays as arrays
+from . import _dtypes as dtypes
 from ._lora_cffi import ffi, lib
 from .errors import LoraShapeError
 from . import scale as _scale_mod
@@ -23,10 +23,8 @@ from .scale import LoraScale
 __all__ = ["LoraDelta", "LoraStack"]
 
 _ndarray = np.ndarray
-_F32 = A.F32
 _F64 = np.dtype(np.float64)
-_I64 = A.I64
-_DT_F32 = A.DT_F32
+_I64 = arrays.I64
 _from_buffer = ffi.from_buffer
 # from_buffer(_CHARS, out, True) asks for a writable buffer at half the cost of the keyword form
 # (cffi's keyword parsing measured ~0.2 us per call)
@@ -44,10 +42,7 @@ _lora_apply_batch = lib.lora_apply_batch
 _lora_apply_rows = lib.lora_apply_rows
 _ERR_ALIGN = lib.LORA_ERR_ALIGN
 _EPOCH = _scale_mod.epoch
-# the fast paths' activation dtypes, by the identity of NumPy's canonical dtype objects (a
-# non-native or otherwise unusual dtype object takes the checked path); bfloat16 joins the
-# first time an activation of it is checked (ml_dtypes is never imported for this)
-_FAST = A.FAST_CODES
+_FAST = dtypes.FAST  # the fast paths' activation dtype codes (see lora._dtypes)
 
 
 def alpha_factor(alpha, rank, rslora):
@@ -142,8 +137,8 @@ class LoraDelta:
 
     def __init__(self, a, b, *, alpha=0.0, scale=1.0, rslora=False, base_shape=None,
                  dtype="float32"):
-        a = A.float_array(a, "lora_a")
-        b = A.float_array(b, "lora_b")
+        a = arrays.float_array(a, "lora_a")
+        b = arrays.float_array(b, "lora_b")
         rank = a.shape[0] if a.ndim == 2 else 0
         cols = a.shape[1] if a.ndim == 2 else 0
         rows = b.shape[0] if b.ndim == 2 else 0
@@ -163,8 +158,8 @@ class LoraDelta:
         the lengths do not match, or rank/rows/cols < 1."""
         rank, rows, cols = (_int_arg(v, n) for v, n in ((rank, "rank"), (rows, "rows"),
                                                          (cols, "cols")))
-        a = A.float_array(a, "lora_a").reshape(-1)
-        b = A.float_array(b, "lora_b").reshape(-1)
+        a = arrays.float_array(a, "lora_a").reshape(-1)
+        b = arrays.float_array(b, "lora_b").reshape(-1)
         if rank < 1 or rows < 1 or cols < 1 or a.size != rank * cols or b.size != rows * rank:
             raise LoraShapeError.for_pair(rows, cols, rank, a.size, b.size)
         self = cls.__new__(cls)
@@ -180,9 +175,10 @@ class LoraDelta:
         A is rows of ``[rank, lda]`` (``a_by_row``: A^T, rows of ``[cols, lda]``), B is B^T,
         rows of ``[rank, ldb]`` (``b_by_row``: B, rows of ``[rows, ldb]``).  ``keep`` is held
         so the memory outlives the delta; writes to it are seen by the next call."""
-        name = S.storage_name(dtype)
-        ptr = lib.lora_delta_view(S.CODES[name], rank, rows, cols, ffi.cast("void *", a[0]), a[1],
-                                  int(a_by_row), ffi.cast("void *", b[0]), b[1], int(b_by_row))
+        name = dtypes.storage_name(dtype)
+        ptr = lib.lora_delta_view(dtypes.CODES[name], rank, rows, cols, ffi.cast("void *", a[0]),
+                                  a[1], int(a_by_row), ffi.cast("void *", b[0]), b[1],
+                                  int(b_by_row))
         if ptr == ffi.NULL:
             raise ValueError(f"cannot view a rank-{rank} [{rows} x {cols}] {name} delta with row "
                              f"lengths {a[1]} / {b[1]}")
@@ -197,7 +193,7 @@ class LoraDelta:
         return self
 
     def _init(self, a, b, rank, rows, cols, alpha, scale, rslora, dtype):
-        name = S.storage_name(dtype)
+        name = dtypes.storage_name(dtype)
         if isinstance(alpha, (str, bytes, bool, np.bool_)):
             raise TypeError(f"alpha must be a real number; got {alpha!r}")
         if not isinstance(rslora, (bool, np.bool_)):
@@ -212,9 +208,9 @@ class LoraDelta:
             raise ValueError(f"alpha must be finite; got {alpha}")
         if not isinstance(scale, LoraScale):
             scale = LoraScale(scale)
-        a_bits = S.to_storage(a, name, "lora_a")
-        b_bits = S.to_storage(b, name, "lora_b")
-        ptr = lib.lora_delta_new(S.CODES[name], rank, rows, cols, _from_buffer(a_bits),
+        a_bits = dtypes.to_storage(a, name, "lora_a")
+        b_bits = dtypes.to_storage(b, name, "lora_b")
+        ptr = lib.lora_delta_new(dtypes.CODES[name], rank, rows, cols, _from_buffer(a_bits),
                                  _from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
@@ -244,7 +240,7 @@ class LoraDelta:
     @property
     def resident_bytes(self):
         """rank * (rows + cols) * itemsize of the storage dtype (logical; padding not counted)."""
-        return self._rank * (self._rows + self._cols) * S.ITEMSIZE[self._dtype]
+        return self._rank * (self._rows + self._cols) * dtypes.ITEMSIZE[self._dtype]
 
     def __repr__(self):
         return (f"LoraDelta(rank={self._rank}, rows={self._rows}, cols={self._cols}, "
@@ -270,7 +266,7 @@ class LoraDelta:
             except ValueError:
                 x, xp, xc, op, oc = self._vec_args(x, out)
         elif type(out) is not _ndarray and (
-                fast := A.tensor_vec(x, out, self._xshape, self._oshape)) is not None:
+                fast := arrays.tensor_vec(x, out, self._xshape, self._oshape)) is not None:
             status = _lora_add_at(self._ptr, self._scale.value * self._alpha_factor, *fast)
             if status == 0:
                 return out
@@ -283,12 +279,12 @@ class LoraDelta:
             x, xp, xc, op, oc = self._vec_args(x, out)
             status = _lora_add(self._ptr, self._scale.value * self._alpha_factor, xp, xc, op, oc)
         if status:
-            A.raise_status(status)
+            arrays.raise_status(status)
         return out
 
     def _vec_args(self, x, out):
-        op, oc, _, _ = A.check_out(out, self._oshape)
-        keep, xp, xc, _ = A.check_x(x, out, self._xshape)
+        op, oc, _, _ = arrays.check_out(out, self._oshape)
+        keep, xp, xc, _ = arrays.check_x(x, out, self._xshape)
         return keep, xp, xc, op, oc
 
     def add_batch_to(self, x, out):
@@ -312,7 +308,7 @@ class LoraDelta:
             except ValueError:
                 x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
         elif type(out) is not _ndarray and (
-                fast := A.tensor_batch(x, out, self._cols, self._rows)) is not None:
+                fast := arrays.tensor_batch(x, out, self._cols, self._rows)) is not None:
             xa, xc, oa, oc, batch = fast
             status = _lora_add_batch_at(self._ptr, self._scale.value * self._alpha_factor, batch,
                                         xa, xc, self._cols, oa, oc, self._rows) if batch else 0
@@ -328,7 +324,7 @@ class LoraDelta:
                 x, xp, xc, ldx, op, oc, ldo, batch, _ = batch_args(x, out, self._cols, self._rows)
                 status = _lora_add_batch(self._ptr, s, batch, xp, xc, ldx, op, oc, ldo)
             if status:
-                A.raise_status(status)
+                arrays.raise_status(status)
         return out
 
     def add_row_to(self, r, out_row):
@@ -336,13 +332,13 @@ class LoraDelta:
 
         Raises TypeError for a non-integer id, IndexError for one out of range (no wrap-around).
         """
-        r = A.token_id(r, self._rows)
-        op, oc, _, _ = A.check_out(out_row, self._xshape, "out_row")
+        r = arrays.token_id(r, self._rows)
+        op, oc, _, _ = arrays.check_out(out_row, self._xshape, "out_row")
         ids = ffi.new("int64_t[1]", [r])
         status = _lora_add_rows(self._ptr, self._scale.value * self._alpha_factor, 1, ids, op, oc,
                                 self._cols, _NULL)
         if status:
-            A.raise_status(status)
+            arrays.raise_status(status)
         return out_row
 
     def add_rows_to(self, ids, out):
@@ -360,19 +356,18 @@ class LoraDelta:
             status = _lora_add_rows(self._ptr, self._scale.value * self._alpha_factor, n,
                                     _from_buffer("int64_t[]", tok), op, oc, ldo, bad)
             if status:
-                A.raise_status(status, ids=tok, rows=self._rows, bad=bad)
+                arrays.raise_status(status, ids=tok, rows=self._rows, bad=bad)
         return out
 
     # -------------------------------------------------------------- offline
     def lora_weights(self):
         """(lora_a [rank, cols], lora_b [rows, rank]) as stored, in the storage dtype (copies)."""
-        bits = np.float32 if self._dtype == "float32" else np.uint16
-        a = np.empty((self._rank, self._cols), bits)
-        b = np.empty((self._rows, self._rank), bits)
+        d = dtypes.BY_NAME[self._dtype]
+        a = np.empty((self._rank, self._cols), d.bits)
+        b = np.empty((self._rows, self._rank), d.bits)
         lib.lora_delta_export(self._ptr, _from_buffer(a, require_writable=True),
                               _from_buffer(b, require_writable=True))
-        dt = S.np_dtype(self._dtype)
-        return a.view(dt), b.view(dt)
+        return a.view(d.numpy), b.view(d.numpy)
 
     def _delta64(self, s, rows=slice(None)):
         a, b = self.lora_weights()
@@ -405,46 +400,46 @@ class LoraDelta:
 def batch_args(x, out, cols, rows):
     """Checks for the batched linear methods: out [..., rows], x [..., cols] with the same leading
     axes.  Returns (x keep-alive, x ptr, x code, ldx, out ptr, out code, ldo, positions, lead)."""
-    shape = A.batched_shape(out, rows, "out")
-    op, oc, n, ldo = A.check_out(out, shape, shown=f"(..., {rows})", batched=True)
+    shape = arrays.batched_shape(out, rows, "out")
+    op, oc, n, ldo = arrays.check_out(out, shape, shown=f"(..., {rows})", batched=True)
     lead = shape[:-1]
-    keep, xp, xc, ldx = A.check_x(x, out, lead + (cols,), batched=True, lead_of=shape)
+    keep, xp, xc, ldx = arrays.check_x(x, out, lead + (cols,), batched=True, lead_of=shape)
     return keep, xp, xc, ldx, op, oc, ldo, n, lead
 
 
 def rows_args(ids, out, cols):
     """Checks for the gathers: ids of any shape (at least 1-D), out [*ids.shape, cols].  Returns
     (int64 ids, out ptr, out code, ldo, positions)."""
-    if not (isinstance(out, _ndarray) or A.is_tensor(out)):
-        A.check_out(out, None, shown=f"(n, {cols})")  # always raises: not an array
-    if A.is_tensor(out):
-        A.check_tensor_place(out, "out")  # device, layout, nested: before any shape is read
-    tok = A.as_ids(ids, "ids", any_shape=True)
+    if not (isinstance(out, _ndarray) or arrays.is_tensor(out)):
+        arrays.check_out(out, None, shown=f"(n, {cols})")  # always raises: not an array
+    if arrays.is_tensor(out):
+        arrays.check_tensor_place(out, "out")  # device, layout, nested: before any shape is read
+    tok = arrays.as_ids(ids, "ids", any_shape=True)
     if tok.ndim == 0:
         raise ValueError("ids must have at least one axis (a 0-d id is add_row_to's); got a "
                          "0-d array")
     if len(out.shape) >= 1 and tuple(out.shape[:-1]) != tok.shape and tok.ndim == 1 \
             and len(out.shape) == 2 and out.shape[-1] == cols:
         raise ValueError(f"ids has {tok.shape[0]} ids; out has {out.shape[0]} positions")
-    op, oc, n, ldo = A.check_out(out, tok.shape + (cols,), shown=f"{tok.shape + (cols,)}",
+    op, oc, n, ldo = arrays.check_out(out, tok.shape + (cols,), shown=f"{tok.shape + (cols,)}",
                                  batched=True)
     return tok, op, oc, ldo, n
 
 
 def _w_array(w, rows, cols):
     """A NumPy view of `w` (never a copy) with its dtype code, after the merge-target checks."""
-    if A.is_tensor(w):
-        A.check_tensor_place(w, "w")
+    if arrays.is_tensor(w):
+        arrays.check_tensor_place(w, "w")
         base = getattr(w, "_base", None)  # a view's base: w.T of a weight is fine
         if w.requires_grad and not w.is_leaf and not (base is not None and base.is_leaf):
             raise ValueError("w is a non-leaf tensor that requires grad: a merge writes it in "
                              "place, outside autograd; merge into the weight itself (a leaf such "
                              "as an nn.Parameter, or its transposed view), or under "
                              "torch.no_grad() into w.detach()")
-        code = A.torch_code(w)
+        code = arrays.torch_code(w)
         if code is None:
             raise TypeError(f"w must have dtype float32, float16 or bfloat16 (it is updated in "
-                            f"place); got {A.dtype_name(w)}")
+                            f"place); got {arrays.dtype_name(w)}")
         if w.is_neg():
             raise ValueError("w is a lazily negated view (the imaginary part of a conjugated "
                              "complex tensor): its memory holds the negated values; merge into "
@@ -460,7 +455,7 @@ def _w_array(w, rows, cols):
                              f"C-contiguous [cols, rows] array (fan_in_fan_out); got strides "
                              f"{strides} (elements)")
         size = w.element_size()
-        dt = {A.DT_F32: _F32, A.DT_F16: A.F16}.get(code) or S.bf16()
+        dt = dtypes.BY_CODE[code].numpy
         buf = ffi.buffer(ffi.cast("char *", w.data_ptr()), rows * cols * size)
         flat = np.frombuffer(buf, dtype=dt)
         if flipped:
@@ -469,7 +464,7 @@ def _w_array(w, rows, cols):
     if not isinstance(w, _ndarray):
         raise TypeError(f"w must be a numpy.ndarray or a CPU torch.Tensor of float32, float16 or "
                         f"bfloat16 [{rows} x {cols}]; got {type(w).__name__}")
-    code = A.np_code(w.dtype)
+    code = arrays.np_code(w.dtype)
     if code is None:
         raise TypeError(f"w must have dtype float32, float16 or bfloat16 (it is updated in "
                         f"place); got {w.dtype}")
@@ -508,7 +503,7 @@ def merge_(w, terms, rows, cols):
             live.append((d, sign * s))
     if not live:
         return w
-    name = {A.DT_F32: "float32", A.DT_F16: "float16", A.DT_BF16: "bfloat16"}[code]
+    name = dtypes.NAME_OF[code]
     # w's memory order: a transposed w (fan_in_fan_out) is the C-contiguous [cols, rows] array
     # arr.T, whose products are A^T @ B^T
     flip = rows > 1 and cols > 1 and not arr.flags.c_contiguous
@@ -531,7 +526,7 @@ def merge_(w, terms, rows, cols):
     ptr = ffi.cast(_VOIDP, target.__array_interface__["data"][0])  # odd offset: aligned copy
     bound += lib.lora_abs_max(ptr, code, n_cols, n_rows, n_cols)
     # |result| <= bound, up to float64 rounding: below the largest finite value, no overflow
-    safe = bound * (1.0 + 1e-9) < S.LARGEST[name]
+    safe = bound * (1.0 + 1e-9) < dtypes.LARGEST[name]
     keep = [ffi.from_buffer(_DOUBLES, m) for m in lefts + rights]
     bp = ffi.new("double *[]", keep[:len(lefts)])
     ap = ffi.new("double *[]", keep[len(lefts):])
@@ -548,11 +543,11 @@ def merge_(w, terms, rows, cols):
             i, j = (bj, bi) if flip else (bi, bj)
             verb = "unmerging from" if all(sg < 0 for _, sg in terms) else "merging into"
             raise ValueError(f"{verb} w overflows its dtype {name} at [{i}, {j}]: {acc:.9g} "
-                             f"(largest finite: {S.LARGEST[name]:.9g}); w is left untouched")
+                             f"(largest finite: {dtypes.LARGEST[name]:.9g}); w is left untouched")
     if target is not base:
         base[...] = target
-    if A.is_tensor(w):  # an in-place update, as torch's own ops record it
-        A.torch_module().autograd.graph.increment_version(w)
+    if arrays.is_tensor(w):  # an in-place update, as torch's own ops record it
+        arrays.torch_module().autograd.graph.increment_version(w)
     return w
 
 
@@ -682,7 +677,7 @@ class EntryTable:
               and (adapter_ids is None or (type(adapter_ids) is _ndarray
                                            and adapter_ids.dtype is _I64
                                            and adapter_ids.ndim == 1))
-              and (fast := A.tensor_batch(x, out, shape[1], shape[0])) is not None):
+              and (fast := arrays.tensor_batch(x, out, shape[1], shape[0])) is not None):
             # contiguous CPU tensors, every position on entry 0 (a stack, or PEFT's active
             # adapters) or int64 ids, one per leading row (PEFT's adapter_names): straight to
             # C, which checks overlap, alignment and the ids
@@ -778,13 +773,13 @@ class EntryTable:
         `lead`; ids and scales of the leading shape or a prefix of it."""
         if adapter_ids is None:
             return None, _NULL, None, _NULL, 1
-        ids = A.as_ids(adapter_ids, "adapter_ids", any_shape=True)
+        ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
         if len(lead) == 1 and ids.ndim == 1 and ids.shape[0] != lead[0]:
             raise ValueError(f"adapter_ids has {ids.shape[0]} ids; out has {lead[0]} positions")
-        every = A.per_id_shape(ids, lead, "adapter_ids")
+        every = arrays.per_id_shape(ids, lead, "adapter_ids")
         if scales is None:
             return ids, _from_buffer("int64_t[]", ids), None, _NULL, every
-        pos = A.as_scales(scales)
+        pos = arrays.as_scales(scales)
         if pos.shape != ids.shape:
             raise ValueError(f"scales must have the shape of adapter_ids, {ids.shape}; got "
                              f"{pos.shape}")
@@ -792,8 +787,8 @@ class EntryTable:
 
     def _raise(self, status, ids, pos, tok=None, bad=None):
         rows = self._shape[0] if self._shape else 0
-        A.raise_status(status, ids=tok, adapter_ids=ids, n_entries=len(self._entries), rows=rows,
-                       bad=bad, scales=pos)
+        arrays.raise_status(status, ids=tok, adapter_ids=ids, n_entries=len(self._entries),
+                            rows=rows, bad=bad, scales=pos)
 
     def _check_ids_only(self, adapter_ids, scales, lead):
         ids, _, pos, _, _ = self._ids(adapter_ids, scales, lead)
@@ -808,28 +803,29 @@ class EntryTable:
         """The checks entries without any delta can still make (rows/cols unknown): out a
         writeable float array of at least 2 dims, x of the same leading axes, not overlapping,
         the ids and scales."""
-        if not (isinstance(out, _ndarray) or A.is_tensor(out)) or len(out.shape) < 2:
-            A.batched_shape(out, "rows", "out")  # raises
+        if not (isinstance(out, _ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+            arrays.batched_shape(out, "rows", "out")  # raises
         shape = tuple(out.shape)
-        A.check_out(out, shape, batched=True)
-        xa = x if A.is_tensor(x) else A.float_array(x, "x")
+        arrays.check_out(out, shape, batched=True)
+        xa = x if arrays.is_tensor(x) else arrays.float_array(x, "x")
         if tuple(xa.shape[:-1]) != shape[:-1] or len(xa.shape) != len(shape):
             raise ValueError(f"x must have shape {shape[:-1] + ('cols',)} to match out "
                              f"{shape}; got {tuple(xa.shape)}")
-        if A.is_tensor(xa):
-            A.check_tensor_place(xa, "x")
+        if arrays.is_tensor(xa):
+            arrays.check_tensor_place(xa, "x")
             if not xa.dtype.is_floating_point:
-                raise TypeError(f"x must be a real floating array; got dtype {A.dtype_name(xa)}")
-        A.no_overlap(xa, out)
+                raise TypeError(f"x must be a real floating array; got dtype "
+                                f"{arrays.dtype_name(xa)}")
+        arrays.no_overlap(xa, out)
         self._check_ids_only(adapter_ids, scales, shape[:-1])
         return out
 
     def _shapeless_rows(self, tok_ids, out, adapter_ids, scales):
-        if not (isinstance(out, _ndarray) or A.is_tensor(out)) or len(out.shape) < 2:
-            A.batched_shape(out, "cols", "out")  # raises
+        if not (isinstance(out, _ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+            arrays.batched_shape(out, "cols", "out")  # raises
         shape = tuple(out.shape)
-        A.check_out(out, shape, batched=True)
-        tok = A.as_ids(tok_ids, "ids", any_shape=True)
+        arrays.check_out(out, shape, batched=True)
+        tok = arrays.as_ids(tok_ids, "ids", any_shape=True)
         if tok.shape != shape[:-1]:
             if tok.ndim == 1 and len(shape) == 2:
                 raise ValueError(f"ids has {tok.shape[0]} ids; out has {shape[0]} positions")
@@ -837,7 +833,7 @@ class EntryTable:
         if tok.size and tok.min() < 0:
             pos = int(np.argmax(tok.reshape(-1) < 0))
             raise IndexError(f"token id {int(tok.reshape(-1)[pos])} at position "
-                             f"{A.position_of(tok, pos)} is out of range")
+                             f"{arrays.position_of(tok, pos)} is out of range")
         self._check_ids_only(adapter_ids, scales, tok.shape)
         return out
 
@@ -909,15 +905,15 @@ class LoraStack:
         if not self._deltas:
             return _shapeless_vec(x, out)
         rows, cols = self.base_shape
-        op, oc, _, _ = A.check_out(out, (rows,))
-        keep, xp, xc, _ = A.check_x(x, out, (cols,))
+        op, oc, _, _ = arrays.check_out(out, (rows,))
+        keep, xp, xc, _ = arrays.check_x(x, out, (cols,))
         t = self._table
         if t._stale:
             t._rebuild()
         status = _lora_apply_batch(1, t.first, t.ptrs, t.scales(), _NULL, _NULL, 1, rows, cols, 1,
                                    xp, xc, cols, op, oc, rows, _NULL)
         if status:
-            A.raise_status(status)
+            arrays.raise_status(status)
         return out
 
     def add_batch_to(self, x, out):
@@ -927,11 +923,11 @@ class LoraStack:
     def add_row_to(self, r, out_row):
         """Token embedding: ``out_row += sum_i s_i * (B_i[r] @ A_i)``; as ``LoraDelta.add_row_to``."""
         if not self._deltas:
-            A.token_id(r, None)
+            arrays.token_id(r, None)
             return _shapeless_vec(_NO_X, out_row, "out_row")
         rows, cols = self.base_shape
-        r = A.token_id(r, rows)
-        op, oc, _, _ = A.check_out(out_row, (cols,), "out_row")
+        r = arrays.token_id(r, rows)
+        op, oc, _, _ = arrays.check_out(out_row, (cols,), "out_row")
         t = self._table
         if t._stale:
             t._rebuild()
@@ -939,7 +935,7 @@ class LoraStack:
         status = _lora_apply_rows(1, t.first, t.ptrs, t.scales(), _NULL, _NULL, 1, rows, cols, 1,
                                   ids, op, oc, cols, _NULL)
         if status:
-            A.raise_status(status)
+            arrays.raise_status(status)
         return out_row
 
     def add_rows_to(self, ids, out):
@@ -975,21 +971,21 @@ _NO_X = object()
 def _shapeless_vec(x, out, what="out"):
     """The checks an empty stack can still make for add_to / add_row_to: out a writeable 1-D
     float array (of any length), x (unless None) real float 1-D, not overlapping out."""
-    if (isinstance(out, _ndarray) or A.is_tensor(out)) and len(out.shape) != 1:
+    if (isinstance(out, _ndarray) or arrays.is_tensor(out)) and len(out.shape) != 1:
         raise ValueError(f"{what} must be 1-D; got shape {tuple(out.shape)}")
     shape = tuple(getattr(out, "shape", ()))
-    A.check_out(out, shape, what, shown="(n,)")
+    arrays.check_out(out, shape, what, shown="(n,)")
     if x is not _NO_X:
-        xa = x if A.is_tensor(x) else A.float_array(x, "x")
+        xa = x if arrays.is_tensor(x) else arrays.float_array(x, "x")
         if len(xa.shape) != 1:
             raise ValueError(f"x must have shape [cols] to match {what} {shape}; got "
                              f"{tuple(xa.shape)}")
-        A.no_overlap(xa, out)
+        arrays.no_overlap(xa, out)
     return out
 
 
 def _shapeless_w(w):
-    if (isinstance(w, _ndarray) or A.is_tensor(w)) and len(w.shape) != 2:
+    if (isinstance(w, _ndarray) or arrays.is_tensor(w)) and len(w.shape) != 2:
         raise ValueError(f"w must be 2-D; got shape {tuple(w.shape)}")
     shape = tuple(getattr(w, "shape", ()))
     _w_array(w, *shape) if len(shape) == 2 else _w_array(w, 0, 0)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _dtypes as dtypes
 from .adapter import (Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg,
                       storage_arg)
 from .gguf import is_gguf_file
@@ -343,15 +344,10 @@ def _unmatched_pattern_keys(cfg, modules):
 
 
 def _np_storage(dt):
-    import ml_dtypes     # on first use: `import lora` stays light
-
-    if dt == np.float32:
-        return "float32"
-    if dt == np.float16:
-        return "float16"
-    if dt == ml_dtypes.bfloat16:
-        return "bfloat16"
-    raise AssertionError(dt)  # unreachable: dtypes are filtered by the header pass
+    code = dtypes.np_code(dt)
+    if code is None:  # pragma: no cover - dtypes are filtered by the header pass
+        raise AssertionError(dt)
+    return dtypes.NAME_OF[code]
 
 
 def load_peft(path, *, scale=1.0, dtype=None):
