@@ -15,12 +15,13 @@ from ._runtime import __version__, get_num_threads, kernel_info, set_num_threads
 from .accelerate import accelerate_peft
 from .adapter_set import AdapterSet
 from .bank import LoraBank
-from .delta import LoraDelta, LoraStack
+from .delta import LoraDelta
 from .errors import LoraFormatError, LoraShapeError
 from .adapter import LoraAdapter
 from .gguf import load_gguf
 from .peft import load_peft
 from .scale import LoraScale
+from .stack import LoraStack
 
 __all__ = [
     "LoraScale",

@@ -24,7 +24,7 @@ F32 = np.dtype(np.float32)  # what an x the kernels cannot read in place is conv
 I64 = np.dtype(np.int64)
 I64_MAX = np.iinfo(np.int64).max
 _F32_CODE = dtypes.CODES["float32"]
-_TORCH_CODES = None  # dtypes.torch_codes(), filled at the first tensor
+TORCH_CODES = {}  # dtypes.torch_codes(), filled in place at the first tensor
 _GRAD_ENABLED = _BUMP = None  # torch.is_grad_enabled, the version bump: filled with it
 _VOIDP = ffi.typeof("void *")
 np_code = dtypes.np_code
@@ -46,55 +46,6 @@ def is_tensor(obj):
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def tensor_vec(x, out, xshape, oshape):
-    """The fast path for plain contiguous CPU tensors of the exact 1-D shapes: (x address, code,
-    out address, code), or None to take the checked path (which also raises every error).
-
-    The neg bit of a tensor (the imaginary part of a conjugated complex tensor is a lazily
-    negated view) is not read here: such a view has stride 2, so it is contiguous only with one
-    element (or through torch's private ``_neg_view``), and one-element x or out rows take the
-    checked path, which resolves the bit."""
-    try:
-        codes = _TORCH_CODES or _torch_init()
-        xc, oc = codes.get(x.dtype), codes.get(out.dtype)
-        if (xc is None or oc is None or xshape[0] <= 1 or oshape[0] <= 1
-                or not (x.is_cpu and out.is_cpu) or out.requires_grad
-                or x.shape != xshape or out.shape != oshape
-                or not (x.is_contiguous() and out.is_contiguous())):
-            return None
-        note_write(out)
-        return x.data_ptr(), xc, out.data_ptr(), oc
-    except (AttributeError, RuntimeError, TypeError):
-        return None
-
-
-def tensor_batch(x, out, cols, rows):
-    """As tensor_vec for the batched methods (contiguous, any leading axes): (x address, code,
-    out address, code, positions) or None."""
-    try:
-        codes = _TORCH_CODES or _torch_init()
-        xc, oc = codes.get(x.dtype), codes.get(out.dtype)
-        if (xc is None or oc is None or cols <= 1 or rows <= 1 or not (x.is_cpu and out.is_cpu)
-                or out.requires_grad):
-            return None
-        xs, os_ = x.shape, out.shape
-        nd = len(os_)
-        if nd == 2:  # the common case, without slicing torch.Size (slow)
-            if os_[1] != rows or len(xs) != 2 or xs[1] != cols or xs[0] != os_[0]:
-                return None
-            n = os_[0]
-        elif nd < 2 or os_[-1] != rows or xs[-1] != cols or tuple(xs)[:-1] != tuple(os_)[:-1]:
-            return None
-        else:
-            n = out.numel() // rows
-        if not (x.is_contiguous() and out.is_contiguous()):
-            return None
-        note_write(out)
-        return x.data_ptr(), xc, out.data_ptr(), oc, n
-    except (AttributeError, RuntimeError, TypeError, IndexError):
-        return None
-
-
 def note_write(t):
     """Tell autograd that tensor `t` is about to be written in place (its version counter), as
     torch's own in-place ops do, so a backward that saved `t` raises instead of silently using
@@ -104,21 +55,21 @@ def note_write(t):
         _BUMP((t,))
 
 
-def _torch_init():
+def torch_init():
     """Fill the tensor dtype codes and the autograd hooks at the first tensor seen: the version
     bump is torch's own ``autograd.graph.increment_version`` without its Python wrapper (~0.1 us
     a call) where torch has that entry point."""
-    global _TORCH_CODES, _GRAD_ENABLED, _BUMP
+    global _GRAD_ENABLED, _BUMP
     torch = torch_module()
     _GRAD_ENABLED = torch.is_grad_enabled
     _BUMP = getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version
-    _TORCH_CODES = dtypes.torch_codes()
-    return _TORCH_CODES
+    TORCH_CODES.update(dtypes.torch_codes())
+    return TORCH_CODES
 
 
 def torch_code(t):
     """The dtype code of tensor `t`'s dtype, or None."""
-    return (_TORCH_CODES or _torch_init()).get(t.dtype)
+    return (TORCH_CODES or torch_init()).get(t.dtype)
 
 
 def check_tensor_place(t, what):

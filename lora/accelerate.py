@@ -17,7 +17,9 @@ import weakref
 import numpy as np
 
 from . import _dtypes as dtypes
-from .delta import EntryTable, LoraDelta, LoraStack
+from ._entries import EntryTable
+from .delta import LoraDelta
+from .stack import LoraStack
 from .scale import F32_OVERFLOW, LoraScale
 
 __all__ = ["accelerate_peft", "PeftAcceleration"]

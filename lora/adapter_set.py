@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from .bank import need_ids
-from .delta import EntryTable, LoraDelta, LoraStack
+from ._entries import EntryTable, entry_types, owners
 from .errors import LoraShapeError
 
 __all__ = ["AdapterSet"]
@@ -61,7 +61,7 @@ def _check_adapter(name, adapter):
         raise TypeError(f"adapter {name!r} must be a LoraAdapter (a mapping from base names to "
                         f"deltas); got {type(adapter).__name__}")
     for target, entry in adapter.items():
-        if not isinstance(entry, (LoraDelta, LoraStack)):
+        if not isinstance(entry, entry_types()):
             raise TypeError(f"adapter {name!r}: {target!r} maps to a "
                             f"{type(entry).__name__}, not a LoraDelta")
 
@@ -209,7 +209,7 @@ class AdapterSet:
         for s in self._snap.slots:
             if s is not None:
                 for entry in s[1].values():
-                    for d in ([entry] if isinstance(entry, LoraDelta) else list(entry)):
+                    for d in owners(entry):
                         seen[id(d)] = d
         return sum(d.resident_bytes for d in seen.values())
 

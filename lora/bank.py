@@ -1,6 +1,6 @@
 """`LoraBank`: a different adapter for every position of one batch (BGMV/SGMV on the CPU)."""
 
-from .delta import EntryTable
+from ._entries import EntryTable
 
 __all__ = ["LoraBank"]
 

@@ -23,7 +23,7 @@ class LoraScale:
     negative scales and 0 are allowed (0 skips the delta before any arithmetic).
     """
 
-    __slots__ = ("_value",)
+    __slots__ = ("_value",)  # the apply paths read _value directly (the property is a call)
 
     def __init__(self, value=1.0):
         self._value = 0.0
