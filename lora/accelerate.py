@@ -8,28 +8,26 @@ so any change of the weights, however made, is seen at the next call; the layer'
 active adapters, merge state and ``adapter_names`` / aLoRA offsets are read at every call, as
 PEFT reads them.
 
+This module is the model level: scanning the model for the layers it serves (again at a forward
+after adapters were added), patching their ``forward``, the status (``accelerated`` /
+``skipped``) and ``restore()``.  Each layer kind is served by a module of its own
+(`lora._accel_lora`: PEFT's LoRA Linear and Embedding layers), whose layers derive from
+`ServedLayer`; `_layer_kinds` lists them.
+
 torch and peft are imported here, on first use; ``import lora`` imports neither.
 """
 
 import types
 import weakref
 
-import numpy as np
-
-from . import _dtypes as dtypes
-from ._entries import EntryTable
-from .delta import LoraDelta
-from .stack import LoraStack
-from .scale import F32_OVERFLOW, LoraScale
-
 __all__ = ["accelerate_peft", "PeftAcceleration"]
 
 _ACCELERATED = weakref.WeakKeyDictionary()  # model -> its PeftAcceleration while active
-_LAYERS = weakref.WeakKeyDictionary()  # PEFT layer module -> its _Layer while accelerated
+_LAYERS = weakref.WeakKeyDictionary()  # PEFT layer module -> its ServedLayer while accelerated
 
 
 class _Forward:
-    """A PEFT layer's `forward` while it is accelerated: the layer's own _Layer when it has one,
+    """A PEFT layer's `forward` while it is accelerated: its served layer when it has one,
     else PEFT's forward.  A copy of the model (``copy.deepcopy``, pickling, ``torch.save``) gets
     PEFT's own forward back: the acceleration belongs to the model it was made for."""
 
@@ -112,14 +110,9 @@ class PeftAcceleration:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         self._torch = torch
-        self._linear, self._embedding = lora_layer.Linear, lora_layer.Embedding
         self._lora_layer_type = lora_layer.LoraLayer
         self._tuner_layer_type = BaseTunerLayer
-        try:
-            from peft.tuners.lora.variants import ALoraLinearVariant
-        except ImportError:  # a PEFT without aLoRA
-            ALoraLinearVariant = ()
-        self._alora_type = ALoraLinearVariant
+        self._kinds = _layer_kinds(self)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"accelerate_peft needs a torch.nn.Module (a peft.PeftModel); got "
                             f"{type(model).__name__}")
@@ -128,7 +121,7 @@ class PeftAcceleration:
             raise ValueError("this model is already accelerated by lora-kernels; call restore() "
                              "on the first accelerate_peft() before accelerating it again")
         self._model_ref = weakref.ref(model)
-        self._layers = {}  # id(module) -> _Layer
+        self._layers = {}  # id(module) -> its ServedLayer
         self._status = {}  # module name -> None (accelerated) or the reason it is skipped
         self._active = True
         self._fingerprint = object()
@@ -164,9 +157,7 @@ class PeftAcceleration:
         changes made through the parameters (in place, through ``.data``, or by replacing them):
         those are seen at the next call anyway."""
         for layer in self._layers.values():
-            layer.views.clear()
-            layer.tables.clear()
-            layer.plan = None
+            layer.refresh()
 
     def restore(self):
         """Put back exactly the forwards that were there; a second call does nothing."""
@@ -210,9 +201,11 @@ class PeftAcceleration:
         for name, module in model.named_modules():
             if id(module) in self._layers:
                 continue
-            if type(module) in (self._linear, self._embedding):
-                self._layers[id(module)] = _Layer(self, name, module)
-                self._status[name] = module_reason(self, module)
+            layer = next((got for kind in self._kinds
+                          if (got := kind.layer(name, module)) is not None), None)
+            if layer is not None:
+                self._layers[id(module)] = layer
+                self._status[name] = layer.static_reason()
             elif isinstance(module, self._lora_layer_type):
                 self._status[name] = (f"{type(module).__name__} is not a plain PEFT LoRA Linear or "
                                       f"Embedding layer")
@@ -220,360 +213,33 @@ class PeftAcceleration:
                 self._status[name] = f"{type(module).__name__} is not a LoRA layer"
 
 
-def module_reason(acc, module, names=None):
-    """Why `module` cannot be served for the adapters `names` (None: every adapter it holds), or
-    None.  Static reasons only (the configuration); the per-call ones are in _Layer.reason."""
-    linear = type(module) is acc._linear
-    adapters = names if names is not None else (
-        list(module.lora_A) if linear else list(module.lora_embedding_A))
-    for a in adapters:
-        if module.use_dora.get(a, False):
-            return f"adapter {a!r} uses DoRA"
-        if module.lora_bias.get(a, False):
-            return f"adapter {a!r} has a lora_bias"
-        variant = module.lora_variant.get(a)
-        if variant is not None and not (linear and acc._alora_type
-                                        and isinstance(variant, acc._alora_type)):
-            return f"adapter {a!r} is a {type(variant).__name__} variant"
-    if not linear:
-        if getattr(module, "input_fns", None) or getattr(module, "output_fns", None):
-            return "the embedding has tensor-parallel input/output hooks"
-        if getattr(module.get_base_layer(), "max_norm", None) is not None:
-            return "the embedding renormalises rows (max_norm)"
-    return None
+def _layer_kinds(acc):
+    """The layer kinds `acc` serves, each in a module of its own (imported at the first
+    accelerate_peft): PEFT's LoRA Linear and Embedding layers."""
+    from . import _accel_lora
+
+    return (_accel_lora.Kind(acc),)
 
 
-class _Layer:
-    """One patched PEFT layer: its original forward, and views of its adapters' weights."""
+class ServedLayer:
+    """What every layer kind's served layer is: created over a PEFT layer module, it patches the
+    module's ``forward`` (through `_Forward`) and keeps PEFT's own as ``original``, the fallback;
+    ``unpatch()`` puts back exactly what was there.  A kind adds ``forward(x, *args, **kwargs)``,
+    ``static_reason()`` (why the layer's configuration cannot be served, or None) and
+    ``refresh()`` (forget data derived from the weights)."""
 
-    __slots__ = ("acc", "name", "module", "linear", "had_instance_forward", "original", "views",
-                 "tables", "plan", "__weakref__")
+    __slots__ = ("acc", "name", "module", "had_instance_forward", "original", "__weakref__")
 
     def __init__(self, acc, name, module):
         self.acc, self.name, self.module = acc, name, module
-        self.linear = type(module) is acc._linear
         self.had_instance_forward = "forward" in module.__dict__
         self.original = module.forward
-        self.views = {}   # adapter -> (key, LoraDelta view)
-        self.tables = {}  # tuple of view ids -> (EntryTable, views kept alive)
-        self.plan = None  # the short path for the next call, while nothing it depends on moves
         _LAYERS[module] = self
         module.forward = _Forward(module)
 
     def unpatch(self):
-        self.plan = None
         _LAYERS.pop(self.module, None)
         if self.had_instance_forward:
             self.module.forward = self.original
         else:
             self.module.__dict__.pop("forward", None)
-        self.views.clear()
-        self.tables.clear()
-
-    # ------------------------------------------------------------------ weights
-    def _adapter_tensors(self, a):
-        """(A tensor, B tensor) as PEFT holds them: Linear lora_A [r, in], lora_B [out, r];
-        Embedding lora_embedding_A [r, vocab], lora_embedding_B [dim, r]."""
-        m = self.module
-        if self.linear:
-            return m.lora_A[a].weight, m.lora_B[a].weight
-        return m.lora_embedding_A[a], m.lora_embedding_B[a]
-
-    def view(self, a):
-        """A LoraDelta over adapter `a`'s tensors where they are (rebuilt when they moved), or a
-        reason string when they cannot be read in place."""
-        ta, tb = self._adapter_tensors(a)
-        key = (ta.data_ptr(), tb.data_ptr(), ta.dtype, tb.dtype, tuple(ta.shape), tuple(tb.shape),
-               ta.stride(), tb.stride())
-        got = self.views.get(a)
-        if got is not None and got[0] == key:
-            return got[1]
-        delta = self._make_view(a, ta, tb)
-        if isinstance(delta, str):
-            return delta
-        self.views[a] = (key, delta)
-        self.tables.clear()  # tables over the old view would keep its memory alive
-        return delta
-
-    def _make_view(self, a, ta, tb):
-        name = dtypes.NAME_OF.get(dtypes.torch_codes().get(ta.dtype))
-        if name is None or tb.dtype != ta.dtype:
-            return f"adapter {a!r} weights are {ta.dtype}/{tb.dtype}"
-        if not (ta.is_cpu and tb.is_cpu):
-            return f"adapter {a!r} weights are on {ta.device}"
-        sa, sb = ta.stride(), tb.stride()
-        scale = LoraScale(0.0)
-        if self.linear:  # A [r, in] rows; B [out, r] rows (or B^T rows when stored transposed)
-            rank, cols = ta.shape
-            rows = tb.shape[0]
-            if sa[1] != 1 and cols > 1:
-                return f"adapter {a!r} lora_A is not row-contiguous"
-            if sb[1] == 1 or rank == 1:
-                b, b_by_row = (tb.data_ptr(), sb[0] if rows > 1 else rank), True
-            elif sb[0] == 1:
-                b, b_by_row = (tb.data_ptr(), sb[1]), False
-            else:
-                return f"adapter {a!r} lora_B is not contiguous in either axis"
-            return LoraDelta.view((ta.data_ptr(), sa[0] if rank > 1 else cols), b, dtype=name,
-                                  rank=rank, rows=rows, cols=cols, b_by_row=b_by_row,
-                                  scale=scale, keep=(ta.detach(), tb.detach()))
-        # embedding: lora_embedding_A [r, vocab] is B^T rows; lora_embedding_B [dim, r] is A^T rows
-        rank, rows = ta.shape
-        cols = tb.shape[0]
-        if (sa[1] != 1 and rows > 1) or (sb[1] != 1 and rank > 1):
-            return f"adapter {a!r} embedding factors are not row-contiguous"
-        return LoraDelta.view((tb.data_ptr(), sb[0] if cols > 1 else rank),
-                              (ta.data_ptr(), sa[0] if rank > 1 else rows), dtype=name,
-                              rank=rank, rows=rows, cols=cols, a_by_row=True, scale=scale,
-                              keep=(ta.detach(), tb.detach()))
-
-    def table(self, deltas, stacked):
-        """The EntryTable for these views: one stack (active adapters summed in order) or one
-        entry each (a mixed batch)."""
-        key = (stacked,) + tuple(id(d) for d in deltas)
-        got = self.tables.get(key)
-        if got is not None:
-            return got[0]
-        entries = [LoraStack(deltas)] if stacked else list(deltas)
-        table = EntryTable(entries, "adapter")
-        if len(self.tables) > 64:  # stale combinations of moved weights: start afresh
-            self.tables.clear()
-        self.tables[key] = (table, deltas)
-        return table
-
-    # ------------------------------------------------------------------ forward
-    def reason(self, x, names):
-        """Why this call must go to PEFT's own forward, or None."""
-        m = self.module
-        torch = self.acc._torch
-        if not isinstance(x, torch.Tensor) or not x.is_cpu:
-            return "the input is not a CPU tensor"
-        base_weight = getattr(m.get_base_layer(), "weight", None)
-        if base_weight is not None and dtypes.torch_codes().get(base_weight.dtype) is None:
-            return f"the base layer's weight is {base_weight.dtype}"
-        static = module_reason(self.acc, m, names)
-        if static is not None:
-            return static
-        if torch.is_grad_enabled():
-            if x.requires_grad:
-                return "autograd is recording (the input requires grad)"
-            for a in names:
-                if any(t.requires_grad for t in self._adapter_tensors(a)):
-                    return "autograd is recording (LoRA weights require grad)"
-        if self.linear:
-            for a in names:
-                drop = m.lora_dropout[a]
-                if drop.training and getattr(drop, "p", 0) > 0:
-                    return f"dropout is active for adapter {a!r} (training mode)"
-        return None
-
-    def forward(self, x, *args, **kwargs):
-        plan = self.plan
-        if plan is not None and not args and not kwargs:
-            result = plan.run(x)
-            if result is not None:
-                return result
-        return self._forward(x, *args, **kwargs)
-
-    def _forward(self, x, *args, **kwargs):
-        """PEFT's forward logic with the LoRA term from the kernels; leaves a `_Plan` behind for
-        the common case (plain active adapters, nothing in kwargs) so the next call is short."""
-        m = self.module
-        acc = self.acc
-        self.plan = None
-        if not acc._active:  # pragma: no cover - restore() removed the patch
-            return self.original(x, *args, **kwargs)
-        adapter_names = kwargs.get("adapter_names")
-        keys = m.lora_A if self.linear else m.lora_embedding_A
-        if len(self.views) > len(keys):  # deleted adapters: let their memory go
-            for a in [a for a in self.views if a not in keys]:
-                del self.views[a]
-            self.tables.clear()
-        if adapter_names is not None:
-            names = [a for a in dict.fromkeys(adapter_names) if a != "__base__" and a in keys]
-        else:
-            names = [a for a in m.active_adapters if a in keys]
-        why = self.reason(x, names) if not m.disable_adapters else None
-        if why is None and names:
-            views = [self.view(a) for a in names]
-            why = next((v for v in views if isinstance(v, str)), None)
-            if why is None:
-                for a, v in zip(names, views):
-                    scale = self._scale(a)
-                    if not abs(scale) < F32_OVERFLOW:  # PEFT's own forward gives inf/nan then
-                        why = f"adapter {a!r} scaling {scale!r} is not finite in float32"
-                        break
-                    v.scale.set(scale)
-        result_dtype_ok = True
-        if why is not None:
-            acc._status[self.name] = why
-            return self.original(x, *args, **kwargs)
-        m._check_forward_args(x, *args, **kwargs)
-        kwargs.pop("adapter_names", None)
-        alora_offsets = kwargs.pop("alora_offsets", None)
-        if m.disable_adapters:
-            if m.merged:
-                m.unmerge()
-            result = m.base_layer(x, *args, **kwargs)
-        elif adapter_names is not None:
-            result = m.base_layer(x, *args, **kwargs)
-            result_dtype_ok = self._mixed(x, result, adapter_names, names, alora_offsets)
-        elif m.merged:
-            result = m.base_layer(x, *args, **kwargs)
-        else:
-            result = m.base_layer(x, *args, **kwargs)
-            if names:
-                result_dtype_ok = self._active(x, result, names, alora_offsets)
-                if (result_dtype_ok and self.linear and not args and not kwargs
-                        and alora_offsets is None and not any(self._is_alora(a) for a in names)):
-                    self.plan = _Plan(self, names)
-        if not result_dtype_ok:  # an output dtype the kernels do not write: PEFT computes it
-            acc._status[self.name] = f"the layer's output is {result.dtype}"
-            kwargs["adapter_names"] = adapter_names
-            if alora_offsets is not None:
-                kwargs["alora_offsets"] = alora_offsets
-            return self.original(x, *args, **kwargs)
-        acc._status[self.name] = None
-        return result
-
-    def _scale(self, a):
-        """PEFT's scaling of adapter `a`, read now (times an embedding's embed_scale)."""
-        m = self.module
-        s = float(m.scaling[a])
-        if not self.linear:
-            embed_scale = m._get_embed_scale() if hasattr(m, "_get_embed_scale") else None
-            if embed_scale is not None:
-                s *= float(embed_scale)
-        return s
-
-    def _is_alora(self, a):
-        variant = self.module.lora_variant.get(a)
-        return bool(self.acc._alora_type) and isinstance(variant, self.acc._alora_type)
-
-    def _alora_ids(self, result, slot_of_row, offsets):
-        """Per-position ids [B, T] for aLoRA rows: the slot on the last min(offset, T) positions
-        of each row, -1 elsewhere (PEFT's rule; offset None = off)."""
-        shape = tuple(result.shape)
-        rows = shape[0]
-        t = shape[1] if len(shape) == 3 else 1
-        ids = np.full((rows, t), -1, np.int64)
-        for b in range(rows):
-            slot, alora = slot_of_row[b]
-            if slot < 0:
-                continue
-            if not alora:
-                ids[b, :] = slot
-                continue
-            off = offsets[b] if offsets is not None else None
-            if off is None:
-                continue
-            k = min(int(off), t)
-            if k > 0:
-                ids[b, t - k:] = slot
-        return ids if len(shape) == 3 else ids[:, 0]
-
-    def _run(self, table, x, result, ids=None):
-        if self.linear:
-            if result.dim() == 1:
-                table.apply_batch(x.unsqueeze(0), result.unsqueeze(0), ids)
-            else:
-                table.apply_batch(x, result, ids)
-        else:
-            table.apply_rows(x, result, ids)
-
-    def _active(self, x, result, names, alora_offsets):
-        """The active adapters, summed in PEFT's order into `result`; returns False when the
-        output dtype is not one the kernels write."""
-        if dtypes.torch_codes().get(result.dtype) is None:
-            return False
-        views = [self.views[a][1] for a in names]  # their scales were set by forward()
-        alora = [self._is_alora(a) for a in names]
-        if not any(alora):
-            self._run(self.table(views, True), x, result)
-            return True
-        # aLoRA: each adapter on its own positions, in order
-        for v, is_alora in zip(views, alora):
-            table = self.table([v], False)
-            rows = result.shape[0] if result.dim() > 1 else 1
-            ids = self._alora_ids(result if result.dim() > 1 else result.unsqueeze(0),
-                                  [(0, is_alora)] * rows, alora_offsets)
-            if result.dim() == 1:
-                self._run(table, x.unsqueeze(0), result.unsqueeze(0), ids)
-            else:
-                self._run(table, x, result, ids)
-        return True
-
-    def _mixed(self, x, result, adapter_names, names, alora_offsets):
-        """A mixed batch (PEFT's adapter_names): one bank call, row b on its own adapter."""
-        if dtypes.torch_codes().get(result.dtype) is None:
-            return False
-        if not names:
-            return True
-        slot = {a: i for i, a in enumerate(names)}
-        views = [self.views[a][1] for a in names]
-        table = self.table(views, False)
-        alora = {a: self._is_alora(a) for a in names}
-        per_row = [(slot.get(a, -1), alora.get(a, False)) for a in adapter_names]
-        if any(alora.values()):
-            ids = self._alora_ids(result, per_row, alora_offsets)
-        else:
-            ids = np.fromiter((s for s, _ in per_row), np.int64, len(per_row))
-        self._run(table, x, result, ids)
-        return True
-
-
-class _Plan:
-    """A Linear layer's short path: the active plain-LoRA adapters' stack, valid while none of
-    what PEFT's forward depends on has moved: the active adapters, disable/merge state, the
-    adapters' modules and parameters (and where their data lives), their scaling, training
-    mode with dropout, and autograd not recording.  Anything else: None, and the full path runs
-    (and may build a new plan)."""
-
-    __slots__ = ("layer", "active", "names", "mods", "params", "ptrs", "scalings", "table",
-                 "base", "dropout_free", "torch", "codes")
-
-    def __init__(self, layer, names):
-        m = layer.module
-        self.layer = layer
-        self.torch = layer.acc._torch
-        self.codes = dtypes.torch_codes()
-        self.active = m.__dict__.get("_active_adapter")
-        self.names = tuple(names)
-        lora_a, lora_b = m._modules["lora_A"]._modules, m._modules["lora_B"]._modules
-        self.mods = tuple((lora_a[a], lora_b[a]) for a in names)
-        self.params = tuple((ma._parameters["weight"], mb._parameters["weight"])
-                            for ma, mb in self.mods)
-        self.ptrs = tuple((pa.data_ptr(), pb.data_ptr()) for pa, pb in self.params)
-        self.scalings = tuple(m.scaling[a] for a in names)
-        views = [layer.views[a][1] for a in names]
-        self.table = layer.table(views, True)
-        self.base = m._modules["base_layer"]
-        drops = m._modules["lora_dropout"]._modules
-        self.dropout_free = all(getattr(drops[a], "p", 0) == 0 for a in names)
-
-    def run(self, x):
-        m = self.layer.module
-        d = m.__dict__
-        if (d.get("_active_adapter") is not self.active or d.get("_disable_adapters")
-                or d.get("merged_adapters") or (m.training and not self.dropout_free)):
-            return None
-        torch = self.torch
-        if type(x) is not torch.Tensor or not x.is_cpu:
-            return None
-        if torch.is_grad_enabled() and (x.requires_grad or any(
-                pa.requires_grad or pb.requires_grad for pa, pb in self.params)):
-            return None
-        lora_a = m._modules["lora_A"]._modules
-        lora_b = m._modules["lora_B"]._modules
-        scaling = m.scaling
-        for a, (ma, mb), (pa, pb), (ptr_a, ptr_b), s in zip(self.names, self.mods, self.params,
-                                                            self.ptrs, self.scalings):
-            if (lora_a.get(a) is not ma or lora_b.get(a) is not mb
-                    or ma._parameters["weight"] is not pa or mb._parameters["weight"] is not pb
-                    or pa.data_ptr() != ptr_a or pb.data_ptr() != ptr_b or scaling[a] != s):
-                return None
-        result = self.base(x)
-        if result.dtype not in self.codes:
-            return None
-        self.table.apply_batch(x, result)
-        return result

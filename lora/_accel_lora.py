@@ -1,0 +1,402 @@
+"""`accelerate_peft` for PEFT's plain LoRA ``Linear`` and ``Embedding`` layers (aLoRA included).
+
+A served layer computes PEFT's forward with the LoRA term from this library's kernels: the base
+layer by torch, then one entry-table call per layer (the active adapters as one stack, a mixed
+batch's adapters as a bank), reading PEFT's own ``lora_A`` / ``lora_B`` tensors in place through
+`LoraDelta.view`.  The layer's ``scaling``, active adapters, merge state and ``adapter_names`` /
+aLoRA offsets are read at every call, as PEFT reads them; after the first call of a plain
+configuration, `Plan` keeps a short path valid while nothing it depends on moves.
+"""
+
+import numpy as np
+
+from . import _dtypes as dtypes
+from ._entries import EntryTable
+from .accelerate import ServedLayer
+from .delta import LoraDelta
+from .scale import F32_OVERFLOW, LoraScale
+from .stack import LoraStack
+
+__all__ = ["Kind", "Layer", "Plan"]
+
+
+class Kind:
+    """PEFT's plain LoRA ``Linear`` and ``Embedding`` layers (aLoRA included), for one
+    `PeftAcceleration`: the PEFT types, which modules it serves, and why one cannot be served."""
+
+    def __init__(self, acc):
+        from peft.tuners.lora import layer as lora_layer
+
+        try:
+            from peft.tuners.lora.variants import ALoraLinearVariant
+        except ImportError:  # a PEFT without aLoRA
+            ALoraLinearVariant = ()
+        self.acc = acc
+        self.linear, self.embedding = lora_layer.Linear, lora_layer.Embedding
+        self.alora = ALoraLinearVariant
+
+    def layer(self, name, module):
+        """A served `Layer` patched over `module` when it is of this kind, else None."""
+        if type(module) in (self.linear, self.embedding):
+            return Layer(self, name, module)
+        return None
+
+    def reason(self, module, names=None):
+        """Why `module` cannot be served for the adapters `names` (None: every adapter it
+        holds), or None.  Static reasons only (the configuration); the per-call ones are in
+        Layer.reason."""
+        linear = type(module) is self.linear
+        adapters = names if names is not None else (
+            list(module.lora_A) if linear else list(module.lora_embedding_A))
+        for a in adapters:
+            if module.use_dora.get(a, False):
+                return f"adapter {a!r} uses DoRA"
+            if module.lora_bias.get(a, False):
+                return f"adapter {a!r} has a lora_bias"
+            variant = module.lora_variant.get(a)
+            if variant is not None and not (linear and self.alora
+                                            and isinstance(variant, self.alora)):
+                return f"adapter {a!r} is a {type(variant).__name__} variant"
+        if not linear:
+            if getattr(module, "input_fns", None) or getattr(module, "output_fns", None):
+                return "the embedding has tensor-parallel input/output hooks"
+            if getattr(module.get_base_layer(), "max_norm", None) is not None:
+                return "the embedding renormalises rows (max_norm)"
+        return None
+
+
+class Layer(ServedLayer):
+    """One patched PEFT LoRA Linear or Embedding layer: views of its adapters' weights, the
+    entry tables over them, and the short path for the next call."""
+
+    __slots__ = ("kind", "linear", "views", "tables", "plan")
+
+    def __init__(self, kind, name, module):
+        self.kind = kind
+        self.linear = type(module) is kind.linear
+        self.views = {}   # adapter -> (key, LoraDelta view)
+        self.tables = {}  # tuple of view ids -> (EntryTable, views kept alive)
+        self.plan = None  # the short path for the next call, while nothing it depends on moves
+        super().__init__(kind.acc, name, module)
+
+    def static_reason(self):
+        return self.kind.reason(self.module)
+
+    def refresh(self):
+        self.views.clear()
+        self.tables.clear()
+        self.plan = None
+
+    def unpatch(self):
+        self.plan = None
+        super().unpatch()
+        self.views.clear()
+        self.tables.clear()
+
+    # ------------------------------------------------------------------ weights
+    def _adapter_tensors(self, a):
+        """(A tensor, B tensor) as PEFT holds them: Linear lora_A [r, in], lora_B [out, r];
+        Embedding lora_embedding_A [r, vocab], lora_embedding_B [dim, r]."""
+        m = self.module
+        if self.linear:
+            return m.lora_A[a].weight, m.lora_B[a].weight
+        return m.lora_embedding_A[a], m.lora_embedding_B[a]
+
+    def view(self, a):
+        """A LoraDelta over adapter `a`'s tensors where they are (rebuilt when they moved), or a
+        reason string when they cannot be read in place."""
+        ta, tb = self._adapter_tensors(a)
+        key = (ta.data_ptr(), tb.data_ptr(), ta.dtype, tb.dtype, tuple(ta.shape), tuple(tb.shape),
+               ta.stride(), tb.stride())
+        got = self.views.get(a)
+        if got is not None and got[0] == key:
+            return got[1]
+        delta = self._make_view(a, ta, tb)
+        if isinstance(delta, str):
+            return delta
+        self.views[a] = (key, delta)
+        self.tables.clear()  # tables over the old view would keep its memory alive
+        return delta
+
+    def _make_view(self, a, ta, tb):
+        name = dtypes.NAME_OF.get(dtypes.torch_codes().get(ta.dtype))
+        if name is None or tb.dtype != ta.dtype:
+            return f"adapter {a!r} weights are {ta.dtype}/{tb.dtype}"
+        if not (ta.is_cpu and tb.is_cpu):
+            return f"adapter {a!r} weights are on {ta.device}"
+        sa, sb = ta.stride(), tb.stride()
+        scale = LoraScale(0.0)
+        if self.linear:  # A [r, in] rows; B [out, r] rows (or B^T rows when stored transposed)
+            rank, cols = ta.shape
+            rows = tb.shape[0]
+            if sa[1] != 1 and cols > 1:
+                return f"adapter {a!r} lora_A is not row-contiguous"
+            if sb[1] == 1 or rank == 1:
+                b, b_by_row = (tb.data_ptr(), sb[0] if rows > 1 else rank), True
+            elif sb[0] == 1:
+                b, b_by_row = (tb.data_ptr(), sb[1]), False
+            else:
+                return f"adapter {a!r} lora_B is not contiguous in either axis"
+            return LoraDelta.view((ta.data_ptr(), sa[0] if rank > 1 else cols), b, dtype=name,
+                                  rank=rank, rows=rows, cols=cols, b_by_row=b_by_row,
+                                  scale=scale, keep=(ta.detach(), tb.detach()))
+        # embedding: lora_embedding_A [r, vocab] is B^T rows; lora_embedding_B [dim, r] is A^T rows
+        rank, rows = ta.shape
+        cols = tb.shape[0]
+        if (sa[1] != 1 and rows > 1) or (sb[1] != 1 and rank > 1):
+            return f"adapter {a!r} embedding factors are not row-contiguous"
+        return LoraDelta.view((tb.data_ptr(), sb[0] if cols > 1 else rank),
+                              (ta.data_ptr(), sa[0] if rank > 1 else rows), dtype=name,
+                              rank=rank, rows=rows, cols=cols, a_by_row=True, scale=scale,
+                              keep=(ta.detach(), tb.detach()))
+
+    def table(self, deltas, stacked):
+        """The EntryTable for these views: one stack (active adapters summed in order) or one
+        entry each (a mixed batch)."""
+        key = (stacked,) + tuple(id(d) for d in deltas)
+        got = self.tables.get(key)
+        if got is not None:
+            return got[0]
+        entries = [LoraStack(deltas)] if stacked else list(deltas)
+        table = EntryTable(entries, "adapter")
+        if len(self.tables) > 64:  # stale combinations of moved weights: start afresh
+            self.tables.clear()
+        self.tables[key] = (table, deltas)
+        return table
+
+    # ------------------------------------------------------------------ forward
+    def reason(self, x, names):
+        """Why this call must go to PEFT's own forward, or None."""
+        m = self.module
+        torch = self.acc._torch
+        if not isinstance(x, torch.Tensor) or not x.is_cpu:
+            return "the input is not a CPU tensor"
+        base_weight = getattr(m.get_base_layer(), "weight", None)
+        if base_weight is not None and dtypes.torch_codes().get(base_weight.dtype) is None:
+            return f"the base layer's weight is {base_weight.dtype}"
+        static = self.kind.reason(m, names)
+        if static is not None:
+            return static
+        if torch.is_grad_enabled():
+            if x.requires_grad:
+                return "autograd is recording (the input requires grad)"
+            for a in names:
+                if any(t.requires_grad for t in self._adapter_tensors(a)):
+                    return "autograd is recording (LoRA weights require grad)"
+        if self.linear:
+            for a in names:
+                drop = m.lora_dropout[a]
+                if drop.training and getattr(drop, "p", 0) > 0:
+                    return f"dropout is active for adapter {a!r} (training mode)"
+        return None
+
+    def forward(self, x, *args, **kwargs):
+        plan = self.plan
+        if plan is not None and not args and not kwargs:
+            result = plan.run(x)
+            if result is not None:
+                return result
+        return self._forward(x, *args, **kwargs)
+
+    def _forward(self, x, *args, **kwargs):
+        """PEFT's forward logic with the LoRA term from the kernels; leaves a `Plan` behind for
+        the common case (plain active adapters, nothing in kwargs) so the next call is short."""
+        m = self.module
+        acc = self.acc
+        self.plan = None
+        if not acc._active:  # pragma: no cover - restore() removed the patch
+            return self.original(x, *args, **kwargs)
+        adapter_names = kwargs.get("adapter_names")
+        keys = m.lora_A if self.linear else m.lora_embedding_A
+        if len(self.views) > len(keys):  # deleted adapters: let their memory go
+            for a in [a for a in self.views if a not in keys]:
+                del self.views[a]
+            self.tables.clear()
+        if adapter_names is not None:
+            names = [a for a in dict.fromkeys(adapter_names) if a != "__base__" and a in keys]
+        else:
+            names = [a for a in m.active_adapters if a in keys]
+        why = self.reason(x, names) if not m.disable_adapters else None
+        if why is None and names:
+            views = [self.view(a) for a in names]
+            why = next((v for v in views if isinstance(v, str)), None)
+            if why is None:
+                for a, v in zip(names, views):
+                    scale = self._scale(a)
+                    if not abs(scale) < F32_OVERFLOW:  # PEFT's own forward gives inf/nan then
+                        why = f"adapter {a!r} scaling {scale!r} is not finite in float32"
+                        break
+                    v.scale.set(scale)
+        result_dtype_ok = True
+        if why is not None:
+            acc._status[self.name] = why
+            return self.original(x, *args, **kwargs)
+        m._check_forward_args(x, *args, **kwargs)
+        kwargs.pop("adapter_names", None)
+        alora_offsets = kwargs.pop("alora_offsets", None)
+        if m.disable_adapters:
+            if m.merged:
+                m.unmerge()
+            result = m.base_layer(x, *args, **kwargs)
+        elif adapter_names is not None:
+            result = m.base_layer(x, *args, **kwargs)
+            result_dtype_ok = self._mixed(x, result, adapter_names, names, alora_offsets)
+        elif m.merged:
+            result = m.base_layer(x, *args, **kwargs)
+        else:
+            result = m.base_layer(x, *args, **kwargs)
+            if names:
+                result_dtype_ok = self._active(x, result, names, alora_offsets)
+                if (result_dtype_ok and self.linear and not args and not kwargs
+                        and alora_offsets is None and not any(self._is_alora(a) for a in names)):
+                    self.plan = Plan(self, names)
+        if not result_dtype_ok:  # an output dtype the kernels do not write: PEFT computes it
+            acc._status[self.name] = f"the layer's output is {result.dtype}"
+            kwargs["adapter_names"] = adapter_names
+            if alora_offsets is not None:
+                kwargs["alora_offsets"] = alora_offsets
+            return self.original(x, *args, **kwargs)
+        acc._status[self.name] = None
+        return result
+
+    def _scale(self, a):
+        """PEFT's scaling of adapter `a`, read now (times an embedding's embed_scale)."""
+        m = self.module
+        s = float(m.scaling[a])
+        if not self.linear:
+            embed_scale = m._get_embed_scale() if hasattr(m, "_get_embed_scale") else None
+            if embed_scale is not None:
+                s *= float(embed_scale)
+        return s
+
+    def _is_alora(self, a):
+        variant = self.module.lora_variant.get(a)
+        return bool(self.kind.alora) and isinstance(variant, self.kind.alora)
+
+    def _alora_ids(self, result, slot_of_row, offsets):
+        """Per-position ids [B, T] for aLoRA rows: the slot on the last min(offset, T) positions
+        of each row, -1 elsewhere (PEFT's rule; offset None = off)."""
+        shape = tuple(result.shape)
+        rows = shape[0]
+        t = shape[1] if len(shape) == 3 else 1
+        ids = np.full((rows, t), -1, np.int64)
+        for b in range(rows):
+            slot, alora = slot_of_row[b]
+            if slot < 0:
+                continue
+            if not alora:
+                ids[b, :] = slot
+                continue
+            off = offsets[b] if offsets is not None else None
+            if off is None:
+                continue
+            k = min(int(off), t)
+            if k > 0:
+                ids[b, t - k:] = slot
+        return ids if len(shape) == 3 else ids[:, 0]
+
+    def _run(self, table, x, result, ids=None):
+        if self.linear:
+            if result.dim() == 1:
+                table.apply_batch(x.unsqueeze(0), result.unsqueeze(0), ids)
+            else:
+                table.apply_batch(x, result, ids)
+        else:
+            table.apply_rows(x, result, ids)
+
+    def _active(self, x, result, names, alora_offsets):
+        """The active adapters, summed in PEFT's order into `result`; returns False when the
+        output dtype is not one the kernels write."""
+        if dtypes.torch_codes().get(result.dtype) is None:
+            return False
+        views = [self.views[a][1] for a in names]  # their scales were set by forward()
+        alora = [self._is_alora(a) for a in names]
+        if not any(alora):
+            self._run(self.table(views, True), x, result)
+            return True
+        # aLoRA: each adapter on its own positions, in order
+        for v, is_alora in zip(views, alora):
+            table = self.table([v], False)
+            rows = result.shape[0] if result.dim() > 1 else 1
+            ids = self._alora_ids(result if result.dim() > 1 else result.unsqueeze(0),
+                                  [(0, is_alora)] * rows, alora_offsets)
+            if result.dim() == 1:
+                self._run(table, x.unsqueeze(0), result.unsqueeze(0), ids)
+            else:
+                self._run(table, x, result, ids)
+        return True
+
+    def _mixed(self, x, result, adapter_names, names, alora_offsets):
+        """A mixed batch (PEFT's adapter_names): one bank call, row b on its own adapter."""
+        if dtypes.torch_codes().get(result.dtype) is None:
+            return False
+        if not names:
+            return True
+        slot = {a: i for i, a in enumerate(names)}
+        views = [self.views[a][1] for a in names]
+        table = self.table(views, False)
+        alora = {a: self._is_alora(a) for a in names}
+        per_row = [(slot.get(a, -1), alora.get(a, False)) for a in adapter_names]
+        if any(alora.values()):
+            ids = self._alora_ids(result, per_row, alora_offsets)
+        else:
+            ids = np.fromiter((s for s, _ in per_row), np.int64, len(per_row))
+        self._run(table, x, result, ids)
+        return True
+
+
+class Plan:
+    """A Linear layer's short path: the active plain-LoRA adapters' stack, valid while none of
+    what PEFT's forward depends on has moved: the active adapters, disable/merge state, the
+    adapters' modules and parameters (and where their data lives), their scaling, training
+    mode with dropout, and autograd not recording.  Anything else: None, and the full path runs
+    (and may build a new plan)."""
+
+    __slots__ = ("layer", "active", "names", "mods", "params", "ptrs", "scalings", "table",
+                 "base", "dropout_free", "torch", "codes")
+
+    def __init__(self, layer, names):
+        m = layer.module
+        self.layer = layer
+        self.torch = layer.acc._torch
+        self.codes = dtypes.torch_codes()
+        self.active = m.__dict__.get("_active_adapter")
+        self.names = tuple(names)
+        lora_a, lora_b = m._modules["lora_A"]._modules, m._modules["lora_B"]._modules
+        self.mods = tuple((lora_a[a], lora_b[a]) for a in names)
+        self.params = tuple((ma._parameters["weight"], mb._parameters["weight"])
+                            for ma, mb in self.mods)
+        self.ptrs = tuple((pa.data_ptr(), pb.data_ptr()) for pa, pb in self.params)
+        self.scalings = tuple(m.scaling[a] for a in names)
+        views = [layer.views[a][1] for a in names]
+        self.table = layer.table(views, True)
+        self.base = m._modules["base_layer"]
+        drops = m._modules["lora_dropout"]._modules
+        self.dropout_free = all(getattr(drops[a], "p", 0) == 0 for a in names)
+
+    def run(self, x):
+        m = self.layer.module
+        d = m.__dict__
+        if (d.get("_active_adapter") is not self.active or d.get("_disable_adapters")
+                or d.get("merged_adapters") or (m.training and not self.dropout_free)):
+            return None
+        torch = self.torch
+        if type(x) is not torch.Tensor or not x.is_cpu:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(
+                pa.requires_grad or pb.requires_grad for pa, pb in self.params)):
+            return None
+        lora_a = m._modules["lora_A"]._modules
+        lora_b = m._modules["lora_B"]._modules
+        scaling = m.scaling
+        for a, (ma, mb), (pa, pb), (ptr_a, ptr_b), s in zip(self.names, self.mods, self.params,
+                                                            self.ptrs, self.scalings):
+            if (lora_a.get(a) is not ma or lora_b.get(a) is not mb
+                    or ma._parameters["weight"] is not pa or mb._parameters["weight"] is not pb
+                    or pa.data_ptr() != ptr_a or pb.data_ptr() != ptr_b or scaling[a] != s):
+                return None
+        result = self.base(x)
+        if result.dtype not in self.codes:
+            return None
+        self.table.apply_batch(x, result)
+        return result
