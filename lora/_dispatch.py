@@ -5,7 +5,7 @@ entry table's adds behind stacks, banks and adapter sets) takes the same steps:
 
 1. the ndarray fast path, written inline in the method because it is the common case and a
    Python call costs about as much as one of its checks: NumPy arrays of the exact shapes, of
-   dtypes the kernels read (`_dtypes.FAST`), contiguous -> the C call;
+   dtypes the kernels read (`FAST`), contiguous -> the C call;
 2. `run_vec` (decode: x ``[cols]``, out ``[rows]``) or `run_batch` (x ``[..., cols]``, out
    ``[..., rows]``) for everything else: the tensor fast path (contiguous CPU tensors of those
    dtypes, passed by address), then the checked path (every rule of the input contract; an x
@@ -24,14 +24,28 @@ status, and may raise for errors it can name better (an adapter id and its posit
 adapter type adds its calls, not another copy of these steps.
 """
 
+import numpy as np
+
 from . import _arrays as arrays
+from . import _dtypes as dtypes
 from ._lora_cffi import ffi, lib
 
 __all__ = ["run_vec", "run_batch", "DECLINE", "vec_args", "batch_args", "rows_args"]
 
 DECLINE = -1  # a fast-path call's answer for "not this path": the checked path follows
-_ERR_ALIGN = lib.LORA_ERR_ALIGN
-_ndarray = arrays.np.ndarray
+
+# The fast paths' vocabulary, bound once here and imported by the modules of the apply methods (a
+# module global is reached faster than an attribute).  from_buffer(CHARS, out, True) asks for a
+# writable buffer at half the cost of the keyword form (cffi's keyword parsing: ~0.2 us a call).
+ndarray = np.ndarray
+from_buffer = ffi.from_buffer
+CHARS = ffi.typeof("char[]")
+INT64S = ffi.typeof("int64_t[]")
+DOUBLES = ffi.typeof("double[]")
+NULL = ffi.NULL
+FAST = dtypes.FAST  # the activation dtype codes of the ndarray fast paths
+ERR_ALIGN = lib.LORA_ERR_ALIGN
+
 _cast = ffi.cast
 _VOIDP = ffi.typeof("void *")
 _TORCH_CODES = arrays.TORCH_CODES  # filled in place at the first tensor
@@ -47,7 +61,7 @@ def run_vec(call, call_at, extra, x, out, xshape, oshape, status):
     or None when it made none (``LORA_ERR_ALIGN`` retries through the checked path, anything
     else is raised); `DECLINE` when the method knows its arguments take the checked path."""
     if status is None:
-        if type(out) is not _ndarray:
+        if type(out) is not ndarray:
             # the tensor fast path: plain contiguous CPU tensors of the exact shapes.  The neg
             # bit (a lazily negated view: the imaginary part of a conjugated complex tensor) is
             # not read here: such a view has stride 2, so it is contiguous only with one
@@ -71,7 +85,7 @@ def run_vec(call, call_at, extra, x, out, xshape, oshape, status):
                                   _cast(_VOIDP, out.data_ptr()), oc)
                 if status == 0:
                     return out
-    elif status != _ERR_ALIGN and status != DECLINE:
+    elif status != ERR_ALIGN and status != DECLINE:
         _raise_status(status)
     # the checked path, also after any refusal of a fast call (it raises the precise error)
     keep, xp, xc, op, oc = vec_args(x, out, xshape, oshape)  # keep: x's copy lives through C
@@ -85,7 +99,7 @@ def run_batch(call, call_at, extra, x, out, cols, rows, status):
     """Batched: ``call`` on x ``[..., cols]`` and out ``[..., rows]`` with the same leading axes;
     returns out.  ``status`` as for `run_vec`."""
     if status is None:
-        if type(out) is not _ndarray:
+        if type(out) is not ndarray:
             # the tensor fast path: plain contiguous CPU tensors, any leading axes (the neg bit:
             # as in run_vec)
             try:
@@ -117,7 +131,7 @@ def run_batch(call, call_at, extra, x, out, cols, rows, status):
                                   _cast(_VOIDP, out.data_ptr()), oc, rows)
                 if status == 0:
                     return out
-    elif status != _ERR_ALIGN and status != DECLINE:
+    elif status != ERR_ALIGN and status != DECLINE:
         _raise_status(status)
     keep, xp, xc, ldx, op, oc, ldo, n, lead = batch_args(x, out, cols, rows)  # keep: as run_vec
     status = call(extra, lead, n, xp, xc, ldx, op, oc, ldo)
@@ -147,7 +161,7 @@ def batch_args(x, out, cols, rows):
 def rows_args(ids, out, cols):
     """Checks for the gathers: ids of any shape (at least 1-D), out [*ids.shape, cols].  Returns
     (int64 ids, out ptr, out code, ldo, positions)."""
-    if not (isinstance(out, _ndarray) or arrays.is_tensor(out)):
+    if not (isinstance(out, ndarray) or arrays.is_tensor(out)):
         arrays.check_out(out, None, shown=f"(n, {cols})")  # always raises: not an array
     if arrays.is_tensor(out):
         arrays.check_tensor_place(out, "out")  # device, layout, nested: before any shape is read

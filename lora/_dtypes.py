@@ -26,9 +26,9 @@ __all__ = ["ALL", "NAMES", "CODES", "BY_NAME", "BY_CODE", "FAST", "np_code", "np
 class DType:
     """One dtype: ``name`` ("bfloat16"), ``code`` (the C code), ``itemsize`` (bytes),
     ``largest`` (finite magnitude), ``torch`` (the torch dtype's attribute name), ``numpy`` (the
-    NumPy dtype, loaded on first use; ``foreign`` when another package defines it), ``bits`` (the unsigned NumPy dtype of its bit patterns)
-    and ``via_odd`` (float64 is rounded through a round-to-odd float32: NumPy's cast would round
-    twice)."""
+    NumPy dtype, loaded on first use; ``foreign`` when another package defines it), ``bits``
+    (the unsigned NumPy dtype of its bit patterns) and ``via_odd`` (float64 is rounded through a
+    round-to-odd float32: NumPy's cast would round twice)."""
 
     __slots__ = ("name", "code", "itemsize", "largest", "torch", "via_odd", "bits", "_where",
                  "_numpy")

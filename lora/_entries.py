@@ -26,26 +26,19 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dispatch as dispatch
+from ._dispatch import (CHARS, DECLINE, DOUBLES, ERR_ALIGN, FAST, INT64S, NULL, from_buffer,
+                        ndarray)
 from . import scale as _scale_mod
 from ._lora_cffi import ffi, lib
 from .errors import LoraShapeError
 
 __all__ = ["Member", "entry_type", "entry_types", "stackable_types", "owners", "EntryTable"]
 
-_ndarray = np.ndarray
 _F64 = np.dtype(np.float64)
 _I64 = arrays.I64
-_FAST = arrays.dtypes.FAST
-_from_buffer = ffi.from_buffer
-_CHARS = ffi.typeof("char[]")
-_INT64S = ffi.typeof("int64_t[]")
-_DOUBLES = ffi.typeof("double[]")
-_NULL = ffi.NULL
 _lora_apply_batch = lib.lora_apply_batch
 _lora_apply_rows = lib.lora_apply_rows
-_ERR_ALIGN = lib.LORA_ERR_ALIGN
 _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
-_DECLINE = dispatch.DECLINE
 _EPOCH = _scale_mod.epoch
 
 
@@ -233,8 +226,8 @@ class EntryTable:
         r = arrays.token_id(r, rows)
         op, oc, _, _ = arrays.check_out(out_row, (cols,), "out_row")
         ids = ffi.new("int64_t[1]", [r])
-        status = _lora_apply_rows(self.n_kernel, self.first, self.ptrs, self.scales(), _NULL,
-                                  _NULL, 1, rows, cols, 1, ids, op, oc, cols, _NULL)
+        status = _lora_apply_rows(self.n_kernel, self.first, self.ptrs, self.scales(), NULL,
+                                  NULL, 1, rows, cols, 1, ids, op, oc, cols, NULL)
         if status:
             arrays.raise_status(status)
         return out_row
@@ -249,17 +242,17 @@ class EntryTable:
             return self._shapeless_batch(x, out, adapter_ids, scales)
         rows, cols = shape
         status = None
-        if (type(x) is _ndarray and type(out) is _ndarray
-                and (xc := _FAST.get(id(x.dtype))) is not None
-                and (oc := _FAST.get(id(out.dtype))) is not None
+        if (type(x) is ndarray and type(out) is ndarray
+                and (xc := FAST.get(id(x.dtype))) is not None
+                and (oc := FAST.get(id(out.dtype))) is not None
                 and out.ndim == 2 and out.shape[1] == rows and x.shape == (out.shape[0], cols)):
             # the common case (2-D rows, int64 ids, float64 scales or none), without the
             # general checks: C checks overlap, alignment, ids and scales before any write
             status = self._fast_batch(x, xc, out, oc, adapter_ids, scales, rows, cols)
             if status == 0:
                 return out
-        elif adapter_ids is not None and (scales is not None or type(adapter_ids) is not _ndarray):
-            status = _DECLINE  # not for the tensor fast path either (see _apply_batch)
+        elif adapter_ids is not None and (scales is not None or type(adapter_ids) is not ndarray):
+            status = DECLINE  # not for the tensor fast path either (see _apply_batch)
         return dispatch.run_batch(_apply_batch, None, (self, out, adapter_ids, scales), x, out,
                                   cols, rows, status)
 
@@ -267,22 +260,22 @@ class EntryTable:
         """The ndarray call for simple ids: its status, or None when the ids, scales or arrays
         are not of the simple form (the general path follows)."""
         n = out.shape[0]
-        idp, posp = _NULL, _NULL
+        idp, posp = NULL, NULL
         try:
             if adapter_ids is not None:
-                if (type(adapter_ids) is not _ndarray or adapter_ids.dtype is not _I64
+                if (type(adapter_ids) is not ndarray or adapter_ids.dtype is not _I64
                         or adapter_ids.shape != (n,)):
                     return None
-                idp = _from_buffer(_INT64S, adapter_ids)
+                idp = from_buffer(INT64S, adapter_ids)
                 if scales is not None:
-                    if (type(scales) is not _ndarray or scales.dtype is not _F64
+                    if (type(scales) is not ndarray or scales.dtype is not _F64
                             or scales.shape != (n,)):
                         return None
-                    posp = _from_buffer(_DOUBLES, scales)
+                    posp = from_buffer(DOUBLES, scales)
             elif scales is not None:
                 return None
-            xp = _from_buffer(x)
-            op = _from_buffer(_CHARS, out, True)
+            xp = from_buffer(x)
+            op = from_buffer(CHARS, out, True)
         except ValueError:  # not contiguous: the general path
             return None
         if not n:
@@ -290,7 +283,7 @@ class EntryTable:
         bad = ffi.new("int64_t *")
         status = _lora_apply_batch(self.n_kernel, self.first, self.ptrs, self.scales(), idp,
                                    posp, 1, rows, cols, n, xp, xc, cols, op, oc, rows, bad)
-        if status and status != _ERR_ALIGN:
+        if status and status != ERR_ALIGN:
             self._raise(status, adapter_ids, scales, bad=bad)
         return status
 
@@ -308,7 +301,7 @@ class EntryTable:
             bad = ffi.new("int64_t *")
             status = _lora_apply_rows(self.n_kernel, self.first, self.ptrs, self.scales(), idp,
                                       posp, every, rows, cols, n,
-                                      _from_buffer(_INT64S, tok), op, oc, ldo, bad)
+                                      from_buffer(INT64S, tok), op, oc, ldo, bad)
             if status:
                 self._raise(status, ids, pos, tok=tok, bad=bad)
         return out
@@ -317,18 +310,18 @@ class EntryTable:
         """(ids, ids ptr, scales, scales ptr, positions per id) for a call with leading axes
         `lead`; ids and scales of the leading shape or a prefix of it."""
         if adapter_ids is None:
-            return None, _NULL, None, _NULL, 1
+            return None, NULL, None, NULL, 1
         ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
         if len(lead) == 1 and ids.ndim == 1 and ids.shape[0] != lead[0]:
             raise ValueError(f"adapter_ids has {ids.shape[0]} ids; out has {lead[0]} positions")
         every = arrays.per_id_shape(ids, lead, "adapter_ids")
         if scales is None:
-            return ids, _from_buffer(_INT64S, ids), None, _NULL, every
+            return ids, from_buffer(INT64S, ids), None, NULL, every
         pos = arrays.as_scales(scales)
         if pos.shape != ids.shape:
             raise ValueError(f"scales must have the shape of adapter_ids, {ids.shape}; got "
                              f"{pos.shape}")
-        return ids, _from_buffer(_INT64S, ids), pos, _from_buffer(_DOUBLES, pos), every
+        return ids, from_buffer(INT64S, ids), pos, from_buffer(DOUBLES, pos), every
 
     def _raise(self, status, ids, pos, tok=None, bad=None):
         rows = self._shape[0] if self._shape else 0
@@ -349,7 +342,7 @@ class EntryTable:
         """The checks entries without any delta can still make (rows/cols unknown): out a
         writeable float array of at least 2 dims, x of the same leading axes, not overlapping,
         the ids and scales."""
-        if not (isinstance(out, _ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+        if not (isinstance(out, ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
             arrays.batched_shape(out, "rows", "out")  # raises
         shape = tuple(out.shape)
         arrays.check_out(out, shape, batched=True)
@@ -367,7 +360,7 @@ class EntryTable:
         return out
 
     def _shapeless_rows(self, tok_ids, out, adapter_ids, scales):
-        if not (isinstance(out, _ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+        if not (isinstance(out, ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
             arrays.batched_shape(out, "cols", "out")  # raises
         shape = tuple(out.shape)
         arrays.check_out(out, shape, batched=True)
@@ -387,8 +380,8 @@ class EntryTable:
 def _apply_vec(table, xp, xc, op, oc):
     """`EntryTable.apply_vec`'s C call in the dispatch's form (see lora._dispatch)."""
     rows, cols = table._shape
-    return _lora_apply_batch(table.n_kernel, table.first, table.ptrs, table.scales(), _NULL, _NULL,
-                             1, rows, cols, 1, xp, xc, cols, op, oc, rows, _NULL)
+    return _lora_apply_batch(table.n_kernel, table.first, table.ptrs, table.scales(), NULL, NULL,
+                             1, rows, cols, 1, xp, xc, cols, op, oc, rows, NULL)
 
 
 def _apply_batch(extra, lead, n, xp, xc, ldx, op, oc, ldo):
@@ -400,22 +393,22 @@ def _apply_batch(extra, lead, n, xp, xc, ldx, op, oc, ldo):
     if lead is not None:
         ids, idp, pos, posp, every = table._ids(adapter_ids, scales, lead)
     else:
-        ids, idp, pos, posp, every = adapter_ids, _NULL, None, _NULL, 1
+        ids, idp, pos, posp, every = adapter_ids, NULL, None, NULL, 1
         if scales is not None:
-            return _DECLINE
+            return DECLINE
         if adapter_ids is not None:
             rows0 = out.shape[0]
-            if (type(adapter_ids) is not _ndarray or adapter_ids.dtype is not _I64
+            if (type(adapter_ids) is not ndarray or adapter_ids.dtype is not _I64
                     or adapter_ids.ndim != 1 or adapter_ids.shape[0] != rows0 or n % max(rows0, 1)):
-                return _DECLINE
+                return DECLINE
             try:
-                idp = _from_buffer(_INT64S, adapter_ids)
+                idp = from_buffer(INT64S, adapter_ids)
             except ValueError:  # strided ids
-                return _DECLINE
+                return DECLINE
             every = max(n // max(rows0, 1), 1)
     if not n:
         return 0
-    bad = ffi.new("int64_t *") if idp is not _NULL or lead is not None else _NULL
+    bad = ffi.new("int64_t *") if idp is not NULL or lead is not None else NULL
     status = _lora_apply_batch(table.n_kernel, table.first, table.ptrs, table.scales(), idp, posp,
                                every, rows, cols, n, xp, xc, ldx, op, oc, ldo, bad)
     if status and (lead is not None or status == _ERR_ADAPTER):

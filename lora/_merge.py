@@ -17,6 +17,7 @@ __all__ = ["finite_scale", "merge_", "shapeless_w"]
 
 _ndarray = np.ndarray
 _VOIDP = ffi.typeof("void *")
+_DOUBLES = ffi.typeof("double[]")
 
 
 def finite_scale(s):
@@ -78,9 +79,6 @@ def _w_array(w, rows, cols):
         raise ValueError("w must be C-contiguous [rows, cols], or the transposed view of a "
                          f"C-contiguous [cols, rows] array (fan_in_fan_out); got strides {w.strides}")
     return w, code
-
-
-_DOUBLES = ffi.typeof("double[]")
 
 
 def _product_at(left, right, i, j):

@@ -12,7 +12,8 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dtypes as dtypes
-from ._dispatch import rows_args, run_batch, run_vec
+from ._dispatch import (CHARS, FAST, INT64S, NULL, from_buffer, ndarray, rows_args, run_batch,
+                        run_vec)
 from ._entries import Member, entry_type
 from ._lora_cffi import ffi, lib
 from ._merge import finite_scale, merge_
@@ -21,19 +22,11 @@ from .scale import LoraScale
 
 __all__ = ["LoraDelta"]
 
-_ndarray = np.ndarray
-_from_buffer = ffi.from_buffer
-# from_buffer(_CHARS, out, True) asks for a writable buffer at half the cost of the keyword form
-# (cffi's keyword parsing measured ~0.2 us per call)
-_CHARS = ffi.typeof("char[]")
-_INT64S = ffi.typeof("int64_t[]")
-_NULL = ffi.NULL
 _lora_add = lib.lora_add
 _lora_add_batch = lib.lora_add_batch
 _lora_add_rows = lib.lora_add_rows
 _lora_add_at = lib.lora_add_at
 _lora_add_batch_at = lib.lora_add_batch_at
-_FAST = dtypes.FAST  # the fast paths' activation dtype codes (see lora._dtypes)
 
 
 def alpha_factor(alpha, rank, rslora):
@@ -194,8 +187,8 @@ class LoraDelta:
             scale = LoraScale(scale)
         a_bits = dtypes.to_storage(a, name, "lora_a")
         b_bits = dtypes.to_storage(b, name, "lora_b")
-        ptr = lib.lora_delta_new(dtypes.CODES[name], rank, rows, cols, _from_buffer(a_bits),
-                                 _from_buffer(b_bits))
+        ptr = lib.lora_delta_new(dtypes.CODES[name], rank, rows, cols, from_buffer(a_bits),
+                                 from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
         self._ptr = ffi.gc(ptr, lib.lora_delta_free)
@@ -245,12 +238,12 @@ class LoraDelta:
         expected vs actual; ``out`` is untouched on error.
         """
         status = None
-        if (type(x) is _ndarray and type(out) is _ndarray
-                and (xc := _FAST.get(id(x.dtype))) is not None
-                and (oc := _FAST.get(id(out.dtype))) is not None
+        if (type(x) is ndarray and type(out) is ndarray
+                and (xc := FAST.get(id(x.dtype))) is not None
+                and (oc := FAST.get(id(out.dtype))) is not None
                 and x.shape == self._xshape and out.shape == self._oshape):
             try:  # the common case: no conversion, no copy, no further check
-                xp, op = _from_buffer(x), _from_buffer(_CHARS, out, True)
+                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
             except ValueError:  # not contiguous: the checked path
                 pass
             else:  # one C call: it checks x/out overlap, then skips all arithmetic at scale 0
@@ -270,13 +263,13 @@ class LoraDelta:
         ``add_to`` on it alone.
         """
         status = None
-        if (type(x) is _ndarray and type(out) is _ndarray
-                and (xc := _FAST.get(id(x.dtype))) is not None
-                and (oc := _FAST.get(id(out.dtype))) is not None
+        if (type(x) is ndarray and type(out) is ndarray
+                and (xc := FAST.get(id(x.dtype))) is not None
+                and (oc := FAST.get(id(out.dtype))) is not None
                 and out.ndim == 2 and out.shape[1] == self._rows
                 and x.shape == (out.shape[0], self._cols)):
             try:  # C-contiguous arrays of the right shapes: no conversion, no copy
-                xp, op = _from_buffer(x), _from_buffer(_CHARS, out, True)
+                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
             except ValueError:  # row-strided or not contiguous: the checked path
                 pass
             else:
@@ -296,7 +289,7 @@ class LoraDelta:
         op, oc, _, _ = arrays.check_out(out_row, self._xshape, "out_row")
         ids = ffi.new("int64_t[1]", [r])
         status = _lora_add_rows(self._ptr, self._scale._value * self._alpha_factor, 1, ids, op, oc,
-                                self._cols, _NULL)
+                                self._cols, NULL)
         if status:
             arrays.raise_status(status)
         return out_row
@@ -314,7 +307,7 @@ class LoraDelta:
             bad = ffi.new("int64_t *")
             # the C call checks every id before its first write, also at scale 0
             status = _lora_add_rows(self._ptr, self._scale._value * self._alpha_factor, n,
-                                    _from_buffer(_INT64S, tok), op, oc, ldo, bad)
+                                    from_buffer(INT64S, tok), op, oc, ldo, bad)
             if status:
                 arrays.raise_status(status, ids=tok, rows=self._rows, bad=bad)
         return out
@@ -325,8 +318,8 @@ class LoraDelta:
         d = dtypes.BY_NAME[self._dtype]
         a = np.empty((self._rank, self._cols), d.bits)
         b = np.empty((self._rows, self._rank), d.bits)
-        lib.lora_delta_export(self._ptr, _from_buffer(a, require_writable=True),
-                              _from_buffer(b, require_writable=True))
+        lib.lora_delta_export(self._ptr, from_buffer(a, require_writable=True),
+                              from_buffer(b, require_writable=True))
         return a.view(d.numpy), b.view(d.numpy)
 
     def _delta64(self, s, rows=slice(None)):
