@@ -238,28 +238,30 @@ class EntryTable:
         if self.stale:
             self._rebuild()
         shape = self._shape
-        if shape is None:  # no entry holds a delta: no rows/cols to check against
-            return self._shapeless_batch(x, out, adapter_ids, scales)
-        rows, cols = shape
         status = None
         if (type(x) is ndarray and type(out) is ndarray
                 and (xc := FAST.get(id(x.dtype))) is not None
                 and (oc := FAST.get(id(out.dtype))) is not None
-                and out.ndim == 2 and out.shape[1] == rows and x.shape == (out.shape[0], cols)):
+                and shape is not None and out.ndim == 2):
             # the common case (2-D rows, int64 ids, float64 scales or none), without the
             # general checks: C checks overlap, alignment, ids and scales before any write
-            status = self._fast_batch(x, xc, out, oc, adapter_ids, scales, rows, cols)
+            status = self._fast_batch(x, xc, out, oc, adapter_ids, scales, shape)
             if status == 0:
                 return out
         elif adapter_ids is not None and (scales is not None or type(adapter_ids) is not ndarray):
             status = DECLINE  # not for the tensor fast path either (see _apply_batch)
+        if shape is None:  # no entry holds a delta: no rows/cols to check against
+            return self._shapeless_batch(x, out, adapter_ids, scales)
         return dispatch.run_batch(_apply_batch, None, (self, out, adapter_ids, scales), x, out,
-                                  cols, rows, status)
+                                  shape[1], shape[0], status)
 
-    def _fast_batch(self, x, xc, out, oc, adapter_ids, scales, rows, cols):
-        """The ndarray call for simple ids: its status, or None when the ids, scales or arrays
-        are not of the simple form (the general path follows)."""
+    def _fast_batch(self, x, xc, out, oc, adapter_ids, scales, shape):
+        """The ndarray call for arrays of the exact shapes and simple ids: its status, or None
+        when the arrays, ids or scales are not of that form (the general path follows)."""
+        rows, cols = shape
         n = out.shape[0]
+        if out.shape[1] != rows or x.shape != (n, cols):
+            return None
         idp, posp = NULL, NULL
         try:
             if adapter_ids is not None:
