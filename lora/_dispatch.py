@@ -5,7 +5,7 @@ entry table's adds behind stacks, banks and adapter sets) takes the same steps:
 
 1. the ndarray fast path, written inline in the method because it is the common case and a
    Python call costs about as much as one of its checks: NumPy arrays of the exact shapes, of
-   dtypes the kernels read (`FAST`), contiguous -> the C call;
+   dtypes the kernels read (`fast_code`), contiguous -> the C call;
 2. `run_vec` (decode: x ``[cols]``, out ``[rows]``) or `run_batch` (x ``[..., cols]``, out
    ``[..., rows]``) for everything else: the tensor fast path (contiguous CPU tensors of those
    dtypes, passed by address), then the checked path (every rule of the input contract; an x
@@ -43,7 +43,10 @@ CHARS = ffi.typeof("char[]")
 INT64S = ffi.typeof("int64_t[]")
 DOUBLES = ffi.typeof("double[]")
 NULL = ffi.NULL
-FAST = dtypes.FAST  # the activation dtype codes of the ndarray fast paths
+# fast_code(id(dtype)): the C code of a NumPy activation dtype the ndarray fast paths take, or
+# None.  Bound here as a plain function: Python 3.11 compiles FAST.get(...) on a name imported
+# with `from ... import` as an attribute load (it may be a module), a bound method made per call
+fast_code = dtypes.FAST.get
 ERR_ALIGN = lib.LORA_ERR_ALIGN
 
 _cast = ffi.cast

@@ -26,8 +26,8 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dispatch as dispatch
-from ._dispatch import (CHARS, DECLINE, DOUBLES, ERR_ALIGN, FAST, INT64S, NULL, from_buffer,
-                        ndarray)
+from ._dispatch import (CHARS, DECLINE, DOUBLES, ERR_ALIGN, INT64S, NULL, fast_code,
+                        from_buffer, ndarray)
 from . import scale as _scale_mod
 from ._lora_cffi import ffi, lib
 from .errors import LoraShapeError
@@ -240,8 +240,8 @@ class EntryTable:
         shape = self._shape
         status = None
         if (type(x) is ndarray and type(out) is ndarray
-                and (xc := FAST.get(id(x.dtype))) is not None
-                and (oc := FAST.get(id(out.dtype))) is not None
+                and (xc := fast_code(id(x.dtype))) is not None
+                and (oc := fast_code(id(out.dtype))) is not None
                 and shape is not None and out.ndim == 2):
             # the common case (2-D rows, int64 ids, float64 scales or none), without the
             # general checks: C checks overlap, alignment, ids and scales before any write

@@ -12,8 +12,8 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dtypes as dtypes
-from ._dispatch import (CHARS, FAST, INT64S, NULL, from_buffer, ndarray, rows_args, run_batch,
-                        run_vec)
+from ._dispatch import (CHARS, INT64S, NULL, fast_code, from_buffer, ndarray, rows_args,
+                        run_batch, run_vec)
 from ._entries import Member, entry_type
 from ._lora_cffi import ffi, lib
 from ._merge import finite_scale, merge_
@@ -239,8 +239,8 @@ class LoraDelta:
         """
         status = None
         if (type(x) is ndarray and type(out) is ndarray
-                and (xc := FAST.get(id(x.dtype))) is not None
-                and (oc := FAST.get(id(out.dtype))) is not None
+                and (xc := fast_code(id(x.dtype))) is not None
+                and (oc := fast_code(id(out.dtype))) is not None
                 and x.shape == self._xshape and out.shape == self._oshape):
             try:  # the common case: no conversion, no copy, no further check
                 xp, op = from_buffer(x), from_buffer(CHARS, out, True)
@@ -264,8 +264,8 @@ class LoraDelta:
         """
         status = None
         if (type(x) is ndarray and type(out) is ndarray
-                and (xc := FAST.get(id(x.dtype))) is not None
-                and (oc := FAST.get(id(out.dtype))) is not None
+                and (xc := fast_code(id(x.dtype))) is not None
+                and (oc := fast_code(id(out.dtype))) is not None
                 and out.ndim == 2 and out.shape[1] == self._rows
                 and x.shape == (out.shape[0], self._cols)):
             try:  # C-contiguous arrays of the right shapes: no conversion, no copy
