@@ -215,8 +215,21 @@ class EntryTable:
         hold a delta (its shape is known)."""
         if self.stale:
             self._rebuild()
-        rows, cols = self._shape
-        return dispatch.run_vec(_apply_vec, None, self, x, out, (cols,), (rows,), None)
+        rows, cols = shape = self._shape
+        status = None
+        if (type(x) is ndarray and type(out) is ndarray
+                and (xc := fast_code(id(x.dtype))) is not None
+                and (oc := fast_code(id(out.dtype))) is not None
+                and x.shape == (cols,) and out.shape == (rows,)):
+            try:  # contiguous arrays of the exact shapes: no conversion, no copy
+                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
+            except ValueError:  # not contiguous: the checked path
+                pass
+            else:
+                status = _apply_vec(self, xp, xc, op, oc)
+                if status == 0:
+                    return out
+        return dispatch.run_vec(_apply_vec, None, self, x, out, shape[1:], shape[:1], status)
 
     def apply_row(self, r, out_row):
         """One token's embedding delta through entry 0: out_row ``[cols]``; returns out_row."""
