@@ -6,4 +6,4 @@
 # platform serves CPython 3.9 and every later version.
 from setuptools import setup
 
-setup(cffi_modules=["build.py:ffibuilder"], options={"bdist_wheel": {"py_limited_api": "cp39"}})
+setup(cffi_modules=["_cffi_build.py:ffibuilder"], options={"bdist_wheel": {"py_limited_api": "cp39"}})

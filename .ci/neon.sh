@@ -12,7 +12,7 @@
 #     cross-built for aarch64 with and without OpenMP and run under qemu-aarch64 (scalar, NEON).
 #     The NEON file is also compiled with clang --target=aarch64-linux-gnu (warnings are errors).
 #  2. The Python test suite's kernel tests, run by an aarch64 CPython under qemu-aarch64 against
-#     the extension cross-built with build.py's own flags: Debian's arm64 python3.11 packages
+#     the extension cross-built with _cffi_build.py's own flags: Debian's arm64 python3.11 packages
 #     unpacked into a sysroot, and the manylinux aarch64 wheels of numpy, cffi, ml_dtypes,
 #     safetensors, gguf, pytest, hypothesis into a site directory.  The `isa` fixture then
 #     covers neon and scalar.  Files: test_guarantees (bits across runs, threads and batch
@@ -118,19 +118,19 @@ if [ ! -f "$SITE/.complete" ]; then
 fi
 PYQ="$SYSROOT/usr/bin/python3-qemu"
 
-# --- 3. the extension, cross-built with build.py's flags -------------------------------------
+# --- 3. the extension, cross-built with _cffi_build.py's flags -------------------------------------
 if ! "$PY" -c "import cffi" 2>/dev/null; then
     "$PY" -m venv "$WORK/venv" && "$WORK/venv/bin/python" -m pip install -q cffi
     PY="$WORK/venv/bin/python"
 fi
 log "cross-building lora/_lora_cffi.abi3.so for aarch64"
-# build.py's openmp_flags() probes $CC: the cross compiler decides whether -fopenmp is used
+# _cffi_build.py's openmp_flags() probes $CC: the cross compiler decides whether -fopenmp is used
 CC="$XCC" "$PY" - "$WORK/flags" <<'EOF' >/dev/null
 import sys
-import build
-build.ffibuilder.emit_c_code("lora/_lora_cffi.c")
+import _cffi_build
+_cffi_build.ffibuilder.emit_c_code("lora/_lora_cffi.c")
 with open(sys.argv[1], "w") as f:
-    f.write(" ".join(build._cflags) + "\n" + " ".join(build._ldflags) + "\n")
+    f.write(" ".join(_cffi_build._cflags) + "\n" + " ".join(_cffi_build._ldflags) + "\n")
 EOF
 read -r -a cflags < <(sed -n 1p "$WORK/flags")
 read -r -a ldflags < <(sed -n 2p "$WORK/flags")

@@ -9,7 +9,7 @@
 #     throwaway directory, so the developer's in-place build is never replaced by an
 #     instrumented one.
 #  2. Builds the extension from there with LORA_CFLAGS="-fsanitize=address,undefined
-#     -fno-omit-frame-pointer" (build.py adds LORA_CFLAGS to compile and link flags) through
+#     -fno-omit-frame-pointer" (_cffi_build.py adds LORA_CFLAGS to compile and link flags) through
 #     `pip wheel`, so the project's own build requirements apply, puts the compiled module into
 #     the copy, and checks that it really links the ASan runtime.
 #  3. Runs `pytest -m "not model" tests` (the PEFT / transformers model tests run in the README

@@ -1,5 +1,5 @@
 /*
- * lora.h - the C API of lora-kernels, and the cffi cdef (build.py reads the
+ * lora.h - the C API of lora-kernels, and the cffi cdef (_cffi_build.py reads the
  * part between the LORA_CDEF markers, so this header is the one truth).
  *
  * The operation: out[b, :] += s * B (A x[b, :]) with A = lora_a [rank, cols],

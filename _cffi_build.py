@@ -1,8 +1,10 @@
 """cffi builder for lora-kernels (out-of-line API mode).
 
 `csrc/lora.h` is the one truth for the C API: the part between its
-LORA_CDEF markers is the cdef.  setup.py names `build.py:ffibuilder` in
-`cffi_modules`, so `pip install .` / `pip wheel .` compile this.
+LORA_CDEF markers is the cdef.  setup.py names `_cffi_build.py:ffibuilder` in
+`cffi_modules`, so `pip install .`, `pip wheel .` and `python -m build` compile this.  (The
+leading underscore keeps this module from shadowing PyPA's `build` package when a command runs
+from the repository root.)
 
 Build knobs (environment):
   CC=...                  the C compiler (gcc or clang; MSVC on Windows)
