@@ -45,7 +45,7 @@ static int64_t packed_ld_(int64_t n, size_t isz) {
 
 lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
                            const void *b) {
-    if (dtype < LORA_DTYPE_F32 || dtype > LORA_DTYPE_BF16 || rank < 1 || rows < 1 || cols < 1)
+    if (!lora_dtype_valid(dtype) || rank < 1 || rows < 1 || cols < 1)
         return NULL;
     /* every byte count below must fit: keep each factor under 2^40 and the
      * products under 2^62 */
@@ -87,7 +87,7 @@ lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, 
 
 lora_delta *lora_delta_view(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
                             int64_t lda, int a_by_row, const void *b, int64_t ldb, int b_by_row) {
-    if (dtype < LORA_DTYPE_F32 || dtype > LORA_DTYPE_BF16 || rank < 1 || rows < 1 || cols < 1 ||
+    if (!lora_dtype_valid(dtype) || rank < 1 || rows < 1 || cols < 1 ||
         !a || !b)
         return NULL;
     /* each row must hold its values: A rows of cols (A^T rows of rank), B^T rows of rows (B

@@ -64,8 +64,6 @@ static int ranges_overlap_(const void *p, int64_t pbytes, const void *q, int64_t
     return a < b + qbytes && b < a + pbytes;
 }
 
-static int dtype_ok_(int dt) { return dt >= LORA_DTYPE_F32 && dt <= LORA_DTYPE_BF16; }
-
 /* One call's work, shared by every driver: which deltas, which positions. */
 typedef struct {
     const lora_kernel_table *kt;
@@ -181,8 +179,8 @@ static void run_block_(const plan_ *p, int64_t blk, const scratch_ *sc, int tid,
         const lora_delta *d = sc->which[q];
         lora_split(d->rank, tid, nt, 1, &lo, &hi);
         if (lo < hi)
-            p->kt->project[d->dtype][p->x_dtype](d->a, d->lda, d->cols, lo, hi, nb, xs,
-                                                 (float *)sc->terms[q].u, d->rank);
+            p->kt->project[d->dtype](d->a, d->lda, d->cols, lo, hi, nb, xs, p->x_dtype,
+                                     (float *)sc->terms[q].u, d->rank);
     }
 #ifdef _OPENMP
     if (nt > 1) {
@@ -379,7 +377,6 @@ static int plan_call_(plan_ *p, int64_t n_entries, const int64_t *first,
     *heap_buf = NULL;
     if (bad) *bad = -1;
     if (n_entries < 1 || rows < 1 || cols < 1 || n < 0 || every < 1) return LORA_ERR_ARG;
-    if (!dtype_ok_(out_dtype)) return LORA_ERR_DTYPE;
     memset(p, 0, sizeof *p);
     p->kt = lora_active_kernels();
     p->n_entries = n_entries, p->first = first, p->deltas = deltas, p->scales = scales;
@@ -472,7 +469,7 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
                      int64_t ids_every, int64_t rows, int64_t cols, int64_t batch,
                      const void *x, int x_dtype, int64_t ldx, void *out, int out_dtype,
                      int64_t ldo, int64_t *bad) {
-    if (!dtype_ok_(x_dtype) || !dtype_ok_(out_dtype)) return LORA_ERR_DTYPE;
+    if (!lora_dtype_valid(x_dtype) || !lora_dtype_valid(out_dtype)) return LORA_ERR_DTYPE;
     const size_t xsz = lora_dtype_size(x_dtype), osz = lora_dtype_size(out_dtype);
     if (batch > 1 && (ldx < cols || ldo < rows)) return LORA_ERR_ARG;
     if ((uintptr_t)x % xsz || (uintptr_t)out % osz) return LORA_ERR_ALIGN;
@@ -512,7 +509,7 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
                     const double *scales, const int64_t *entry_ids, const double *pos_scales,
                     int64_t ids_every, int64_t rows, int64_t cols, int64_t n, const int64_t *ids,
                     void *out, int out_dtype, int64_t ldo, int64_t *bad) {
-    if (!dtype_ok_(out_dtype)) return LORA_ERR_DTYPE;
+    if (!lora_dtype_valid(out_dtype)) return LORA_ERR_DTYPE;
     if (n > 1 && ldo < cols) return LORA_ERR_ARG;
     if ((uintptr_t)out % lora_dtype_size(out_dtype) || (uintptr_t)ids % sizeof(int64_t) ||
         (uintptr_t)entry_ids % sizeof(int64_t) || (uintptr_t)pos_scales % sizeof(double))

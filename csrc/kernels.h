@@ -44,16 +44,18 @@
  *   accumulate_(terms, n_terms, i0, i1, nb, outs, ot)
  *                                 (the SIMD files get it, and the strip and
  *                                 stack plumbing, from kernels_strip.h)
- *   widen_(src, n, dst, dt)       float16/bfloat16 -> float32, exact
- *   narrow_(src, n, dst, ot)      float32 -> float16/bfloat16, nearest even
+ *   widen_(src, n, dst, dt)       dt -> float32, exact (float32: a copy)
+ *   narrow_(src, n, dst, ot)      float32 -> ot, nearest even (float32: a copy)
  *   read_(buf, n)                 the benchmark's bandwidth probe
- * and then one line, LORA_KERNEL_TABLE(isa), which generates the entry
- * points (this comment is where `grep` for their names should land):
- *   lora_project_<st>_<xt>_<isa>    st, xt in f32, f16, bf16   (9 functions)
- *   lora_accumulate_<ot>_<isa>      ot in f32, f16, bf16       (3)
- *   lora_widen_<st>_<isa>           st in f16, bf16            (2)
- *   lora_narrow_<ot>_<isa>          ot in f16, bf16            (2)
- *   lora_merge_row_<isa>            (portable C, see LORA_MERGE_FN_)
+ * and then one line, LORA_KERNEL_TABLE(isa, own_order), which generates, for
+ * every dtype <dt> of LORA_DTYPES (f32, f16, bf16), the entry points (this
+ * comment is where `grep` for their names should land):
+ *   lora_project_<dt>_<isa>      storage dtype dt; the x dtype is an argument,
+ *                                switched on once per call, each case a
+ *                                project_ compiled for that (dt, xt) pair
+ *   lora_accumulate_<dt>_<isa>   out dtype dt
+ *   lora_widen_<dt>_<isa>, lora_narrow_<dt>_<isa>
+ *   lora_merge_row_<isa>         (portable C, see LORA_MERGE_FN_)
  *   lora_read_<isa>
  * and the table `lora_kernels_<isa>` the runtime points at.
  */
@@ -74,6 +76,75 @@
 #endif
 #if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
 #define LORA_HAVE_NEON 1
+#endif
+
+/* ------------------------------------------------------- the dtype registry
+ * Every dtype a delta may store and x / out may have, once: its lora.h code,
+ * its short name (the suffix of the entry points), its bytes per element and
+ * the C type that holds its bits; X(A, code, name, bytes, bits_type), A
+ * passed through.  lora.h defines the codes and LORA_DTYPE_COUNT (cffi reads
+ * plain #defines, not this macro); the checks below stop the build when the
+ * two disagree.  Every kernel table, entry point and switch over dtypes
+ * derives from this list.  The few places that handle each dtype by hand (an
+ * ISA file's vector loads and roundings) say LORA_DTYPES_HANDLED(n, where):
+ * adding a dtype here stops the build at each of them until it learns the
+ * new one (ggml checks GGML_TYPE_COUNT the same way).  The portable
+ * conversions lora_<name>_to_f32 and lora_f32_to_<name> (below) exist for
+ * every name. */
+#define LORA_DTYPES(X, A)                                                                       \
+    X(A, LORA_DTYPE_F32, f32, 4, float)                                                        \
+    X(A, LORA_DTYPE_F16, f16, 2, uint16_t)                                                     \
+    X(A, LORA_DTYPE_BF16, bf16, 2, uint16_t)
+
+/* a compile-time check (C99: a negative array size) */
+#define LORA_STATIC_ASSERT(cond, name) typedef char lora_static_assert_##name[(cond) ? 1 : -1]
+#define LORA_DTYPES_HANDLED(n, where) LORA_STATIC_ASSERT((n) == LORA_DTYPE_COUNT, where)
+
+/* the codes are 0 .. LORA_DTYPE_COUNT - 1 in the registry's order, and each
+ * bits type is as wide as its dtype */
+#define LORA_DTYPE_POS_(A, CODE, NAME, BYTES, BITS) lora_dtype_pos_##NAME##_,
+enum { LORA_DTYPES(LORA_DTYPE_POS_, ) lora_dtype_listed_ };
+#undef LORA_DTYPE_POS_
+LORA_STATIC_ASSERT(lora_dtype_listed_ == LORA_DTYPE_COUNT, dtype_count_is_the_registry_length);
+#define LORA_DTYPE_CHECK_(A, CODE, NAME, BYTES, BITS)                                           \
+    LORA_STATIC_ASSERT(CODE == lora_dtype_pos_##NAME##_, dtype_code_of_##NAME);                \
+    LORA_STATIC_ASSERT(sizeof(BITS) == BYTES, dtype_bits_of_##NAME);
+LORA_DTYPES(LORA_DTYPE_CHECK_, )
+#undef LORA_DTYPE_CHECK_
+
+/* the one validity check of a dtype code */
+static inline int lora_dtype_valid(int dtype) { return dtype >= 0 && dtype < LORA_DTYPE_COUNT; }
+
+/* bytes per element (0 for a code that is not a dtype) */
+static inline size_t lora_dtype_size(int dtype) {
+    switch (dtype) {
+#define LORA_DTYPE_SIZE_(A, CODE, NAME, BYTES, BITS) case CODE: return BYTES;
+    LORA_DTYPES(LORA_DTYPE_SIZE_, )
+#undef LORA_DTYPE_SIZE_
+    }
+    return 0;
+}
+
+/* A point no valid input reaches: a switch over the registry's codes after
+ * the code was checked (lora_dtype_valid at the entry point or when the delta
+ * was made).  It tells the compiler the switch is total, so it is compiled as
+ * a plain n-way branch; UBSan (the sanitizer CI stage) reports any call that
+ * reaches it. */
+#if defined(__GNUC__) || defined(__clang__)
+#define LORA_UNREACHABLE() __builtin_unreachable()
+#elif defined(_MSC_VER)
+#define LORA_UNREACHABLE() __assume(0)
+#else
+#define LORA_UNREACHABLE() ((void)0)
+#endif
+
+/* forced inlining where the compiler allows it (the generated table helpers) */
+#if defined(__GNUC__) || defined(__clang__)
+#define LORA_INLINE static inline __attribute__((always_inline))
+#elif defined(_MSC_VER)
+#define LORA_INLINE static __forceinline
+#else
+#define LORA_INLINE static inline
 #endif
 
 #define LORA_NB 4          /* positions per kernel call (8 measured slower) */
@@ -109,16 +180,17 @@ typedef struct {
     float scale[LORA_NB];  /* per position; 0: the term adds nothing there */
 } lora_term;
 
+/* t[b*ldt + k] for k in [k0, k1), b < nb: x_b = xs[b] in dtype xt (see the top) */
 typedef void (*lora_project_fn)(const void *a, int64_t lda, int64_t cols, int64_t k0,
-                                int64_t k1, int nb, const void *const *xs, float *t,
+                                int64_t k1, int nb, const void *const *xs, int xt, float *t,
                                 int64_t ldt);
 typedef void (*lora_accumulate_fn)(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
                                    int nb, void *const *outs);
 typedef double (*lora_read_fn)(const float *buf, int64_t n);
 /* dst[i] = src[i] as float32 for i < n (exact: every f16/bf16 value is a float32) */
 typedef void (*lora_widen_fn)(const void *src, int64_t n, float *dst);
-/* dst[i] = src[i] rounded to nearest even into float16 / bfloat16 for i < n
- * (NaN stays NaN, overflow gives inf: lora_f32_to_f16 / lora_f32_to_bf16) */
+/* dst[i] = src[i] rounded to nearest even into the dtype for i < n (NaN stays
+ * NaN, overflow gives inf: lora_f32_to_f16 / lora_f32_to_bf16; float32: a copy) */
 typedef void (*lora_narrow_fn)(const float *src, int64_t n, void *dst);
 /* merges: acc[j] += s * sum_k b[k] * a[k * lda + j] for j < n <= LORA_MERGE_CHUNK,
  * in float64; see LORA_MERGE_FN_ */
@@ -127,23 +199,17 @@ typedef void (*lora_merge_row_fn)(const double *b, int64_t rank, const double *a
 
 typedef struct {
     const char *name;
-    lora_project_fn project[3][3];     /* [storage dtype][x dtype] */
-    lora_accumulate_fn accumulate[3];  /* [out dtype] */
-    lora_read_fn read;
-    lora_widen_fn widen[3];            /* [LORA_DTYPE_F32] unused */
-    lora_narrow_fn narrow[3];          /* [LORA_DTYPE_F32] unused */
+    lora_project_fn project[LORA_DTYPE_COUNT];        /* [storage dtype]; the x dtype an argument */
+    lora_accumulate_fn accumulate[LORA_DTYPE_COUNT];  /* [out dtype] */
+    lora_widen_fn widen[LORA_DTYPE_COUNT];            /* [dtype] */
+    lora_narrow_fn narrow[LORA_DTYPE_COUNT];          /* [dtype] */
     lora_merge_row_fn merge_row;
+    lora_read_fn read;
     /* bit 1 << dtype: this ISA sums that storage dtype in another order than
-     * float32 (see LORA_OWN_ORDER), so a float32 copy would change the bits */
+     * float32, so a float32 copy would change the bits (the own_order argument
+     * of LORA_KERNEL_TABLE; the drivers never widen such a delta: LORA_WIDEN_MIN) */
     unsigned own_order;
 } lora_kernel_table;
-
-/* The storage dtypes an ISA file sums in an order of its own, as a mask of
- * 1 << LORA_DTYPE_*; none by default.  An ISA file that has some #undefs
- * this and redefines it before its LORA_KERNEL_TABLE line (the macro expands
- * it there): the drivers then never swap such a delta for a float32 copy
- * (LORA_WIDEN_MIN in drivers.c). */
-#define LORA_OWN_ORDER 0u
 
 extern const lora_kernel_table lora_kernels_scalar;
 #if defined(LORA_HAVE_X86)
@@ -155,30 +221,38 @@ extern const lora_kernel_table lora_kernels_neon;
 #endif
 
 /* The entry points and the table of one ISA, from its static inline helpers
- * (see the comment at the top).  Expanded inside the ISA's target region. */
-#define LORA_PROJECT_FN_(ISA, ST, XT, SN, XN)                                                   \
-    static void lora_project_##SN##_##XN##_##ISA(const void *a, int64_t lda, int64_t cols,     \
-                                                 int64_t k0, int64_t k1, int nb,               \
-                                                 const void *const *xs, float *t, int64_t ldt) { \
-        project_(a, lda, cols, k0, k1, nb, xs, t, ldt, ST, XT);                                \
+ * (see the comment at the top).  Expanded inside the ISA's target region.
+ * The x dtype of project is a switch over the registry in one inlined helper
+ * per ISA (the C preprocessor cannot expand one list inside itself, so the
+ * storage x x product is a list of functions times a switch), each case a
+ * project_ compiled for its (storage, x) pair. */
+#define LORA_PROJECT_CASE_(DT, XT, XNAME, XBYTES, XBITS)                                        \
+    case XT: project_(a, lda, cols, k0, k1, nb, xs, t, ldt, DT, XT); break;
+#define LORA_PROJECT_FN_(ISA, DT, NAME, BYTES, BITS)                                            \
+    static void lora_project_##NAME##_##ISA(const void *a, int64_t lda, int64_t cols,          \
+                                            int64_t k0, int64_t k1, int nb,                    \
+                                            const void *const *xs, int xt, float *t,           \
+                                            int64_t ldt) {                                     \
+        lora_project_x_##ISA(a, lda, cols, k0, k1, nb, xs, xt, t, ldt, DT);                    \
     }
-#define LORA_PROJECT_ROW_(ISA, ST, SN)                                                          \
-    LORA_PROJECT_FN_(ISA, ST, LORA_DTYPE_F32, SN, f32)                                          \
-    LORA_PROJECT_FN_(ISA, ST, LORA_DTYPE_F16, SN, f16)                                          \
-    LORA_PROJECT_FN_(ISA, ST, LORA_DTYPE_BF16, SN, bf16)
-#define LORA_ACCUMULATE_FN_(ISA, OT, ON)                                                        \
-    static void lora_accumulate_##ON##_##ISA(const lora_term *terms, int n_terms, int64_t i0,  \
-                                             int64_t i1, int nb, void *const *outs) {          \
+#define LORA_ACCUMULATE_FN_(ISA, OT, NAME, BYTES, BITS)                                         \
+    static void lora_accumulate_##NAME##_##ISA(const lora_term *terms, int n_terms, int64_t i0, \
+                                               int64_t i1, int nb, void *const *outs) {        \
         accumulate_(terms, n_terms, i0, i1, nb, outs, OT);                                     \
     }
-#define LORA_WIDEN_FN_(ISA, ST, SN)                                                             \
-    static void lora_widen_##SN##_##ISA(const void *src, int64_t n, float *dst) {              \
-        widen_(src, n, dst, ST);                                                               \
+#define LORA_WIDEN_FN_(ISA, DT, NAME, BYTES, BITS)                                              \
+    static void lora_widen_##NAME##_##ISA(const void *src, int64_t n, float *dst) {            \
+        widen_(src, n, dst, DT);                                                               \
     }
-#define LORA_NARROW_FN_(ISA, OT, ON)                                                            \
-    static void lora_narrow_##ON##_##ISA(const float *src, int64_t n, void *dst) {             \
+#define LORA_NARROW_FN_(ISA, OT, NAME, BYTES, BITS)                                             \
+    static void lora_narrow_##NAME##_##ISA(const float *src, int64_t n, void *dst) {           \
         narrow_(src, n, dst, OT);                                                              \
     }
+/* designated initializers of the tables: [code] = lora_<family>_<name>_<isa> */
+#define LORA_PROJECT_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_project_##NAME##_##ISA,
+#define LORA_ACCUMULATE_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_accumulate_##NAME##_##ISA,
+#define LORA_WIDEN_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_widen_##NAME##_##ISA,
+#define LORA_NARROW_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_narrow_##NAME##_##ISA,
 /* The merge's row kernel is portable C, the same for every ISA: expanded inside
  * each ISA's target region, the compiler vectorises it over j for that ISA.
  * The sum over k runs in order from the first product (a product, then a sum:
@@ -198,34 +272,31 @@ extern const lora_kernel_table lora_kernels_neon;
         }                                                                                      \
         for (int64_t j = 0; j < n; j++) acc[j] = acc[j] + s * t[j];                            \
     }
-#define LORA_KERNEL_TABLE(ISA)                                                                  \
-    LORA_PROJECT_ROW_(ISA, LORA_DTYPE_F32, f32)                                                 \
-    LORA_PROJECT_ROW_(ISA, LORA_DTYPE_F16, f16)                                                 \
-    LORA_PROJECT_ROW_(ISA, LORA_DTYPE_BF16, bf16)                                               \
-    LORA_ACCUMULATE_FN_(ISA, LORA_DTYPE_F32, f32)                                               \
-    LORA_ACCUMULATE_FN_(ISA, LORA_DTYPE_F16, f16)                                               \
-    LORA_ACCUMULATE_FN_(ISA, LORA_DTYPE_BF16, bf16)                                             \
-    LORA_WIDEN_FN_(ISA, LORA_DTYPE_F16, f16)                                                    \
-    LORA_WIDEN_FN_(ISA, LORA_DTYPE_BF16, bf16)                                                  \
-    LORA_NARROW_FN_(ISA, LORA_DTYPE_F16, f16)                                                   \
-    LORA_NARROW_FN_(ISA, LORA_DTYPE_BF16, bf16)                                                 \
-    LORA_MERGE_FN_(ISA)                                                                         \
+/* OWN_ORDER: the storage dtypes this ISA sums in an order of its own, as a
+ * mask of 1u << LORA_DTYPE_* (0u: none); see lora_kernel_table.own_order. */
+#define LORA_KERNEL_TABLE(ISA, OWN_ORDER)                                                       \
+    LORA_INLINE void lora_project_x_##ISA(const void *a, int64_t lda, int64_t cols, int64_t k0, \
+                                          int64_t k1, int nb, const void *const *xs, int xt,   \
+                                          float *t, int64_t ldt, const int dt) {               \
+        switch (xt) { LORA_DTYPES(LORA_PROJECT_CASE_, dt) }                                    \
+    }                                                                                          \
+    LORA_DTYPES(LORA_PROJECT_FN_, ISA)                                                         \
+    LORA_DTYPES(LORA_ACCUMULATE_FN_, ISA)                                                      \
+    LORA_DTYPES(LORA_WIDEN_FN_, ISA)                                                           \
+    LORA_DTYPES(LORA_NARROW_FN_, ISA)                                                          \
+    LORA_MERGE_FN_(ISA)                                                                        \
     static double lora_read_##ISA(const float *buf, int64_t n) { return read_(buf, n); }       \
-    const lora_kernel_table lora_kernels_##ISA = {                                              \
-        #ISA,                                                                                   \
-        {{lora_project_f32_f32_##ISA, lora_project_f32_f16_##ISA, lora_project_f32_bf16_##ISA}, \
-         {lora_project_f16_f32_##ISA, lora_project_f16_f16_##ISA, lora_project_f16_bf16_##ISA}, \
-         {lora_project_bf16_f32_##ISA, lora_project_bf16_f16_##ISA,                             \
-          lora_project_bf16_bf16_##ISA}},                                                       \
-        {lora_accumulate_f32_##ISA, lora_accumulate_f16_##ISA, lora_accumulate_bf16_##ISA},     \
-        lora_read_##ISA,                                                                        \
-        {NULL, lora_widen_f16_##ISA, lora_widen_bf16_##ISA},                                    \
-        {NULL, lora_narrow_f16_##ISA, lora_narrow_bf16_##ISA},                                  \
-        lora_merge_row_##ISA,                                                                   \
-        LORA_OWN_ORDER,                                                                         \
+    const lora_kernel_table lora_kernels_##ISA = {                                             \
+        #ISA,                                                                                  \
+        {LORA_DTYPES(LORA_PROJECT_AT_, ISA)},                                                  \
+        {LORA_DTYPES(LORA_ACCUMULATE_AT_, ISA)},                                               \
+        {LORA_DTYPES(LORA_WIDEN_AT_, ISA)},                                                    \
+        {LORA_DTYPES(LORA_NARROW_AT_, ISA)},                                                   \
+        lora_merge_row_##ISA,                                                                  \
+        lora_read_##ISA,                                                                       \
+        OWN_ORDER,                                                                             \
     };
 
-static inline size_t lora_dtype_size(int dtype) { return dtype == LORA_DTYPE_F32 ? 4 : 2; }
 
 /* exact float16 -> float32 (portable; used off the hot vector loops) */
 static inline float lora_f16_to_f32(uint16_t h) {
@@ -281,18 +352,30 @@ static inline uint16_t lora_f32_to_f16(float f) {
     return (uint16_t)(sign | h);
 }
 
-/* element i of a dtype array, as float32 */
+/* float32 is its own conversion (so every registry name has both) */
+static inline float lora_f32_to_f32(float f) { return f; }
+
+/* element i of a dtype array, as float32 (exact) */
 static inline float lora_load_f32(const void *p, int64_t i, int dtype) {
-    if (dtype == LORA_DTYPE_F32) return ((const float *)p)[i];
-    if (dtype == LORA_DTYPE_F16) return lora_f16_to_f32(((const uint16_t *)p)[i]);
-    return lora_bf16_to_f32(((const uint16_t *)p)[i]);
+    switch (dtype) {
+#define LORA_LOAD_CASE_(A, CODE, NAME, BYTES, BITS)                                             \
+    case CODE: return lora_##NAME##_to_f32(((const BITS *)p)[i]);
+    LORA_DTYPES(LORA_LOAD_CASE_, )
+#undef LORA_LOAD_CASE_
+    default: LORA_UNREACHABLE();
+    }
+    return 0.0f;
 }
 
 /* element i of a dtype array = v, rounded to nearest even */
 static inline void lora_store_f32(void *p, int64_t i, float v, int dtype) {
-    if (dtype == LORA_DTYPE_F32) ((float *)p)[i] = v;
-    else if (dtype == LORA_DTYPE_F16) ((uint16_t *)p)[i] = lora_f32_to_f16(v);
-    else ((uint16_t *)p)[i] = lora_f32_to_bf16(v);
+    switch (dtype) {
+#define LORA_STORE_CASE_(A, CODE, NAME, BYTES, BITS)                                            \
+    case CODE: ((BITS *)p)[i] = lora_f32_to_##NAME(v); return;
+    LORA_DTYPES(LORA_STORE_CASE_, )
+#undef LORA_STORE_CASE_
+    default: LORA_UNREACHABLE();
+    }
 }
 
 #endif /* LORA_KERNELS_H */

@@ -32,6 +32,7 @@
 #if defined(LORA_HAVE_X86)
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
@@ -41,6 +42,10 @@
 #endif
 
 #define INLINE_ static inline __attribute__((always_inline))
+
+/* The loads and the rounding (narrow_) below know float32, float16 and
+ * bfloat16, the last one in each being bfloat16. */
+LORA_DTYPES_HANDLED(3, avx2_loads_and_roundings_know_f32_f16_bf16);
 
 INLINE_ __m256 load_f32x8_(const void *p, int64_t i, const int dt) {
     if (dt == LORA_DTYPE_F32) return _mm256_loadu_ps((const float *)p + i);
@@ -235,6 +240,10 @@ INLINE_ void widen_(const void *src, int64_t n, float *dst, const int dt) {
 
 /* dst[i] = src[i] rounded to nearest even into ot (float16 or bfloat16) */
 INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
+    if (ot == LORA_DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
     uint16_t *d = (uint16_t *)dst;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -275,7 +284,7 @@ INLINE_ double read_(const float *buf, int64_t n) {
     return s;
 }
 
-LORA_KERNEL_TABLE(avx2)
+LORA_KERNEL_TABLE(avx2, 0u)
 
 #if defined(__clang__)
 #pragma clang attribute pop

@@ -45,6 +45,7 @@
 
 #if defined(LORA_HAVE_X86)
 #include <immintrin.h>
+#include <string.h>
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c"))), \
@@ -56,6 +57,11 @@
 
 #define INLINE_ static inline __attribute__((always_inline))
 
+/* The loads and the rounding (narrow_f32x16_, narrow_) below know float32,
+ * float16 and bfloat16, the last one in each being bfloat16. */
+LORA_DTYPES_HANDLED(3, avx512_loads_and_roundings_know_f32_f16_bf16);
+
+/* 16 float16 / bfloat16 values as float32 (exact) */
 INLINE_ __m512 widen_f32x16_(__m256i h, const int dt) {
     if (dt == LORA_DTYPE_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -420,6 +426,10 @@ INLINE_ __m256i narrow_f32x16_(__m512 v, const int ot) {
 }
 
 INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
+    if (ot == LORA_DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
     uint16_t *d = (uint16_t *)dst;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -449,9 +459,7 @@ INLINE_ double read_(const float *buf, int64_t n) {
 
 /* bfloat16 A is summed in even/odd column pairs (see the header), not in
  * float32's order: a float32 copy of a bf16 delta would change its bits */
-#undef LORA_OWN_ORDER
-#define LORA_OWN_ORDER (1u << LORA_DTYPE_BF16)
-LORA_KERNEL_TABLE(avx512)
+LORA_KERNEL_TABLE(avx512, 1u << LORA_DTYPE_BF16)
 
 #if defined(__clang__)
 #pragma clang attribute pop

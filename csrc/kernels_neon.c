@@ -51,8 +51,13 @@
 #if defined(LORA_HAVE_NEON)
 #include <arm_neon.h>
 #include <math.h>
+#include <string.h>
 
 #define INLINE_ static inline __attribute__((always_inline))
+
+/* The loads and the rounding (narrow_) below know float32, float16 and
+ * bfloat16, the last one in each being bfloat16. */
+LORA_DTYPES_HANDLED(3, neon_loads_and_roundings_know_f32_f16_bf16);
 
 /* 4 values of a dtype array from element i, as float32 (exact) */
 INLINE_ float32x4_t load_f32x4_(const void *p, int64_t i, const int dt) {
@@ -233,6 +238,10 @@ INLINE_ void widen_(const void *src, int64_t n, float *dst, const int dt) {
 /* dst[i] = src[i] rounded to nearest even into ot (float16 or bfloat16),
  * bit-identical to lora_store_f32 (the scalar tail) */
 INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
+    if (ot == LORA_DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
     uint16_t *d = (uint16_t *)dst;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
@@ -271,6 +280,6 @@ INLINE_ double read_(const float *buf, int64_t n) {
     return s;
 }
 
-LORA_KERNEL_TABLE(neon)
+LORA_KERNEL_TABLE(neon, 0u)
 
 #endif /* LORA_HAVE_NEON */

@@ -14,24 +14,21 @@
  */
 
 /* every term of a stack, in order, into the float32 outputs [i0, i1) */
+/* one case per storage dtype of the registry; a term's dtype was checked when
+ * its delta was made (lora_delta_new / lora_delta_view), hence no default */
+#define STRIP_TERM_CASE_(FN, DT, NAME, BYTES, BITS)                                            \
+    case DT: FN(&terms[q], i0, i1, nb, outs, obase, DT); break;
 INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
                     float *const *outs, int64_t obase) {
     for (int q = 0; q < n_terms; q++) {
         if (terms[q].by_row) {
-            switch (terms[q].dtype) {
-            case LORA_DTYPE_F32: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
-            case LORA_DTYPE_F16: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
-            default: term_rows_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
-            }
+            switch (terms[q].dtype) { LORA_DTYPES(STRIP_TERM_CASE_, term_rows_) default: LORA_UNREACHABLE(); }
             continue;
         }
-        switch (terms[q].dtype) {
-        case LORA_DTYPE_F32: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F32); break;
-        case LORA_DTYPE_F16: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_F16); break;
-        default: term_(&terms[q], i0, i1, nb, outs, obase, LORA_DTYPE_BF16); break;
-        }
+        switch (terms[q].dtype) { LORA_DTYPES(STRIP_TERM_CASE_, term_) default: LORA_UNREACHABLE(); }
     }
 }
+#undef STRIP_TERM_CASE_
 
 /* a float32 out is updated in place strip by strip; a half out is widened into
  * an L1 strip, every term adds into it in order, then it is rounded once */
@@ -53,10 +50,10 @@ INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_
         float *so[LORA_NB];
         for (int b = 0; b < nb; b++) {
             so[b] = strip[b];  /* output i at strip[b][i - i_strip] */
-            if (touched[b]) widen_((const uint16_t *)outs[b] + i, n, strip[b], ot);
+            if (touched[b]) widen_((const char *)outs[b] + i * lora_dtype_size(ot), n, strip[b], ot);
         }
         terms_(terms, n_terms, i, i + n, nb, so, i);
         for (int b = 0; b < nb; b++)
-            if (touched[b]) narrow_(strip[b], n, (uint16_t *)outs[b] + i, ot);
+            if (touched[b]) narrow_(strip[b], n, (char *)outs[b] + i * lora_dtype_size(ot), ot);
     }
 }

@@ -35,16 +35,19 @@ typedef struct lora_delta lora_delta;
 #define LORA_ERR_SCALE 7     /* an effective scale that is not finite in float32 */
 #define LORA_ERR_DTYPE 8     /* an unknown dtype code */
 
-/* dtypes, of storage and of activations */
+/* dtypes, of storage and of activations: the codes 0 .. LORA_DTYPE_COUNT - 1
+ * (the C side's list of them, with sizes and names, is LORA_DTYPES in kernels.h) */
 #define LORA_DTYPE_F32 0
 #define LORA_DTYPE_F16 1
 #define LORA_DTYPE_BF16 2
+#define LORA_DTYPE_COUNT 3
 
 /* ISA paths, lowest first */
 #define LORA_ISA_SCALAR 0
 #define LORA_ISA_AVX2 1
 #define LORA_ISA_AVX512 2
 #define LORA_ISA_NEON 3
+#define LORA_ISA_COUNT 4
 
 /* --- runtime: ISA choice, threads, build facts --------------------------- */
 int lora_isa_supported(int isa);        /* 1 when this CPU and build can run `isa` */

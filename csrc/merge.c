@@ -99,7 +99,7 @@ static int64_t rows_(const lora_kernel_table *kt, void *w, int dtype, int64_t ld
 int64_t lora_merge(void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols, int n_terms,
                    const double *const *a, const double *const *b, const int64_t *ranks,
                    const double *scales, int write) {
-    if (rows <= 0 || cols <= 0 || n_terms <= 0 || w_dtype < 0 || w_dtype > LORA_DTYPE_BF16)
+    if (rows <= 0 || cols <= 0 || n_terms <= 0 || !lora_dtype_valid(w_dtype))
         return -1;
     for (int t = 0; t < n_terms; t++)
         if (ranks[t] < 1) return -1;
@@ -153,7 +153,7 @@ static uint32_t abs_max_bits_(const void *w, int dtype, int64_t ldw, int64_t lo,
 }
 
 double lora_abs_max(const void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols) {
-    if (rows <= 0 || cols <= 0 || w_dtype < 0 || w_dtype > LORA_DTYPE_BF16) return 0.0;
+    if (rows <= 0 || cols <= 0 || !lora_dtype_valid(w_dtype)) return 0.0;
     uint32_t m = 0;
     const int nt = lora_call_threads(rows * cols / 4);
 #ifdef _OPENMP

@@ -3,11 +3,13 @@
  * ISA path this CPU and build can run, with no Python in the way.
  *
  * Built by .ci/neon.sh twice: natively (scalar, AVX2, AVX-512 here) and
- * cross-compiled for aarch64 and run under qemu-user (scalar, NEON).  It is
- * the only place the half-precision activations (x and out in float16 or
- * bfloat16) of every path are checked, since the Python layer passes float32
- * x and out today.  For every available path, storage dtype, x dtype and out
- * dtype, over sizes that straddle the register widths:
+ * cross-compiled for aarch64 and run under qemu-user (scalar, NEON), with and
+ * without OpenMP.  The Python tests reach the same kernels with every dtype
+ * of x and out (NumPy arrays and torch tensors are read in place); this file
+ * checks them with nothing but the C API, so a bare cross build can run it,
+ * and it walks every storage x x x out dtype of the registry (LORA_DTYPES).
+ * For every available path, storage dtype, x dtype and out dtype, over sizes
+ * that straddle the register widths:
  *   - accuracy: every float32 result within a forward error bound of a
  *     double-precision reference on the stored weights (|error| <= 4u (n
  *     |s| sum|B||A||x| + |out| + |ref|), n = cols + rank + 4, u = 2^-24,
@@ -55,8 +57,10 @@ static char g_what[256];
         }                                                                                      \
     } while (0)
 
-static const char *DT[3] = {"f32", "f16", "bf16"};
-static const char *ISA_NAME[4] = {"scalar", "avx2", "avx512", "neon"};
+#define DT_NAME_(A, CODE, NAME, BYTES, BITS) [CODE] = #NAME,
+static const char *DT[LORA_DTYPE_COUNT] = {LORA_DTYPES(DT_NAME_, )};
+static const char *ISA_NAME[LORA_ISA_COUNT] = {[LORA_ISA_SCALAR] = "scalar", [LORA_ISA_AVX2] = "avx2",
+                                               [LORA_ISA_AVX512] = "avx512", [LORA_ISA_NEON] = "neon"};
 
 /* ------------------------------------------------------------------ data */
 
@@ -209,9 +213,9 @@ static void check_shape(int isa, int dt, int64_t rank, int64_t rows, int64_t col
     double *ref = (double *)xmalloc(sizeof(double) * (size_t)no);
     double *mag = (double *)xmalloc(sizeof(double) * (size_t)no);
     void *got = xmalloc((size_t)no * 4), *want = xmalloc((size_t)no * 4), *one = xmalloc(4 * (size_t)rows);
-    for (int xt = 0; xt < 3; xt++) {
+    for (int xt = 0; xt < LORA_DTYPE_COUNT; xt++) {
         void *x = rand_array(nx, xt, xw, 1.0f);
-        for (int ot = 0; ot < 3; ot++) {
+        for (int ot = 0; ot < LORA_DTYPE_COUNT; ot++) {
             void *out0 = rand_array(no, ot, ow, 2.0f);
             snprintf(g_what, sizeof g_what, "prefill st=%s x=%s out=%s rank=%lld rows=%lld cols=%lld batch=%lld",
                      DT[dt], DT[xt], DT[ot], (long long)rank, (long long)rows, (long long)cols,
@@ -264,7 +268,7 @@ static void check_shape(int isa, int dt, int64_t rank, int64_t rows, int64_t col
     double *gmag = (double *)xmalloc(sizeof(double) * (size_t)(n * cols));
     void *gg = xmalloc((size_t)(n * cols) * 4), *gwant = xmalloc((size_t)(n * cols) * 4);
     void *gone = xmalloc((size_t)cols * 4);
-    for (int ot = 0; ot < 3; ot++) {
+    for (int ot = 0; ot < LORA_DTYPE_COUNT; ot++) {
         snprintf(g_what, sizeof g_what, "gather st=%s out=%s rank=%lld rows=%lld cols=%lld", DT[dt],
                  DT[ot], (long long)rank, (long long)rows, (long long)cols);
         void *out0 = rand_array(n * cols, ot, gw, 2.0f);
@@ -503,19 +507,19 @@ int main(void) {
         CHECK(team >= 2, "an OpenMP build gets a team of %d (set OMP_NUM_THREADS=2): the thread "
               "checks would be vacuous", team);
     }
-    for (int isa = 0; isa < 4; isa++) {
+    for (int isa = 0; isa < LORA_ISA_COUNT; isa++) {
         if (!lora_isa_supported(isa)) continue;
         set_isa(isa);
         g_isa = ISA_NAME[isa];
         const long before = g_pass + g_fail, failed = g_fail;
-        for (int dt = 0; dt < 3; dt++)
+        for (int dt = 0; dt < LORA_DTYPE_COUNT; dt++)
             for (int dim = 0; dim < 3; dim++)
                 for (int s = 0; s < nsizes; s++) {
                     int64_t r[3] = {8, 24, 40}; /* rank, rows, cols */
                     r[dim] = SIZES[s];
                     check_shape(isa, dt, r[0], r[1], r[2], 6);
                 }
-        for (int ot = 0; ot < 3; ot++) {
+        for (int ot = 0; ot < LORA_DTYPE_COUNT; ot++) {
             /* above the parallel threshold: prefill, decode (team splits one block) */
             check_threads_batch(ot == 0 ? LORA_DTYPE_F32 : ot, ot, 33, 1001, 1003, 9);
             check_threads_batch(ot == 2 ? LORA_DTYPE_F32 : LORA_DTYPE_BF16, ot, 64, 1100, 1100, 1);
