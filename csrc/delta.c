@@ -28,6 +28,8 @@ void lora_aligned_free(void *p) {
 #endif
 }
 
+LORA_DTYPES(LORA_SIZE_2_OR_4, delta_transpose)
+
 static int64_t round_up_(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 /* Row length of packed A / B^T: a multiple of LORA_PAD, nudged off multiples
@@ -70,7 +72,7 @@ lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, 
     for (int64_t k = 0; k < rank; k++)
         memcpy((char *)d->a + (size_t)(k * lda) * isz, (const char *)a + (size_t)(k * cols) * isz,
                (size_t)cols * isz);
-    /* B [rows, rank] -> B^T [rank, ldb]: one unit-stride row per rank index */
+    /* B [rows, rank] -> B^T [rank, ldb]: one unit-stride row per rank index, by element size */
     if (isz == 4) {
         const uint32_t *src = (const uint32_t *)b;
         uint32_t *dst = (uint32_t *)d->bt;

@@ -7,10 +7,12 @@
  * dtype (float32, float16 or bfloat16), x and out in any of the three, and
  * everything computed in float32.
  *
- * Every entry point validates what it can see (overlap of x and out, ids in
- * range) before its first write and returns a LORA_ERR_* status; C never
- * aborts.  Threads split outputs, never one sum, so the bits of every output
- * element depend only on the ISA path and the storage dtype.
+ * Every entry point that computes (apply, merge, abs-max) validates what it
+ * can see (dtype codes, sizes, overlap of x and out, ids in range) before its
+ * first write and returns a LORA_ERR_* status, its results going through
+ * out-parameters; the constructors return NULL for anything they refuse; C
+ * never aborts.  Threads split outputs, never one sum, so the bits of every
+ * output element depend only on the ISA path and the storage dtype.
  */
 #ifndef LORA_H
 #define LORA_H
@@ -139,14 +141,18 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
  * (a product, then a sum: no fma), scaled, added term by term in order, and
  * rounded once to nearest even into w_dtype (float16 / bfloat16 through a
  * round-to-odd float32).  a[t]: A_t [ranks[t], cols], b[t]: B_t [rows,
- * ranks[t]], both double row-major.  write == 0 only checks: returns the flat
+ * ranks[t]], both double row-major.  write == 0 only checks: *bad = the flat
  * index i*cols + j of the first element finite in w whose result is not, or
- * -1; write != 0 stores every result (returns -1). */
-int64_t lora_merge(void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols, int n_terms,
-                   const double *const *a, const double *const *b, const int64_t *ranks,
-                   const double *scales, int write);
-/* the largest |w| of a rows x cols dtype matrix (NaN when one is NaN) */
-double lora_abs_max(const void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols);
+ * -1; write != 0 stores every result (*bad = -1).  Returns LORA_OK,
+ * LORA_ERR_DTYPE, or LORA_ERR_ARG (a size < 1, ldw < cols, a rank < 1), with
+ * nothing written on an error.  bad may be NULL. */
+int lora_merge(void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols, int n_terms,
+               const double *const *a, const double *const *b, const int64_t *ranks,
+               const double *scales, int write, int64_t *bad);
+/* *max = the largest |w| of a rows x cols w_dtype matrix (NaN when one is NaN);
+ * LORA_OK, LORA_ERR_DTYPE, or LORA_ERR_ARG (a size < 1, ldw < cols) */
+int lora_abs_max(const void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols,
+                 double *max);
 
 /* benchmark helper: reads n floats reps times over nthreads threads with the
  * active ISA's widest loads; returns a checksum so nothing is optimised away */

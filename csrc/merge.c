@@ -35,10 +35,6 @@ static inline float round_to_odd_f32_(double d) {
     return v.f;
 }
 
-static inline int half_finite_(uint16_t h, int dtype) {
-    return dtype == LORA_DTYPE_F16 ? (h & 0x7c00u) != 0x7c00u : (h & 0x7f80u) != 0x7f80u;
-}
-
 typedef struct {
     int n_terms;
     const double *const *a;  /* a[t]: A_t [ranks[t], cols] */
@@ -48,21 +44,26 @@ typedef struct {
 } terms_;
 
 /* rows [lo, hi): checked (the flat index of the first element finite in w
- * whose result is not, or -1) or written (every result stored; -1) */
+ * whose result is not, or -1) or written (every result stored; -1).  A
+ * float32 w is read and written in place; any other dtype through the ISA's
+ * exact widening and its rounding (a result is finite in w's dtype when its
+ * rounding, widened back, is). */
 static int64_t rows_(const lora_kernel_table *kt, void *w, int dtype, int64_t ldw, int64_t lo,
                      int64_t hi, int64_t cols, const terms_ *tm, int write) {
-    float wf[MERGE_CHUNK], r[MERGE_CHUNK];
+    float wf[MERGE_CHUNK], r[MERGE_CHUNK], back[MERGE_CHUNK];
     double acc[MERGE_CHUNK];
-    uint16_t h[MERGE_CHUNK];
+    float h[MERGE_CHUNK]; /* the rounded results, in w's dtype (at most 4 bytes each) */
+    const size_t isz = lora_dtype_size(dtype);
     for (int64_t i = lo; i < hi; i++) {
         for (int64_t j0 = 0; j0 < cols; j0 += MERGE_CHUNK) {
             const int64_t n = cols - j0 < MERGE_CHUNK ? cols - j0 : MERGE_CHUNK;
             const int64_t off = i * ldw + j0;
+            char *wp = (char *)w + (size_t)off * isz;
             const float *w0;
             if (dtype == LORA_DTYPE_F32) {
-                w0 = (const float *)w + off;
+                w0 = (const float *)wp;
             } else {
-                kt->widen[dtype]((const uint16_t *)w + off, n, wf);
+                kt->widen[dtype](wp, n, wf);
                 w0 = wf;
             }
             for (int64_t j = 0; j < n; j++) acc[j] = (double)w0[j];
@@ -77,7 +78,7 @@ static int64_t rows_(const lora_kernel_table *kt, void *w, int dtype, int64_t ld
                 for (int64_t j = 0; j < n; j++) r[j] = round_to_odd_f32_(acc[j]);
             if (dtype == LORA_DTYPE_F32) {
                 if (write) {
-                    memcpy((float *)w + off, r, (size_t)n * sizeof(float));
+                    memcpy(wp, r, (size_t)n * sizeof(float));
                     continue;
                 }
                 for (int64_t j = 0; j < n; j++)
@@ -85,32 +86,36 @@ static int64_t rows_(const lora_kernel_table *kt, void *w, int dtype, int64_t ld
                 continue;
             }
             if (write) {
-                kt->narrow[dtype](r, n, (uint16_t *)w + off);
+                kt->narrow[dtype](r, n, wp);
                 continue;
             }
             kt->narrow[dtype](r, n, h);
+            kt->widen[dtype](h, n, back);
             for (int64_t j = 0; j < n; j++)
-                if (!half_finite_(h[j], dtype) && isfinite(w0[j])) return i * cols + j0 + j;
+                if (!isfinite(back[j]) && isfinite(w0[j])) return i * cols + j0 + j;
         }
     }
     return -1;
 }
 
-int64_t lora_merge(void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols, int n_terms,
-                   const double *const *a, const double *const *b, const int64_t *ranks,
-                   const double *scales, int write) {
-    if (rows <= 0 || cols <= 0 || n_terms <= 0 || !lora_dtype_valid(w_dtype))
-        return -1;
+int lora_merge(void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols, int n_terms,
+               const double *const *a, const double *const *b, const int64_t *ranks,
+               const double *scales, int write, int64_t *bad) {
+    if (bad) *bad = -1;
+    if (!lora_dtype_valid(w_dtype)) return LORA_ERR_DTYPE;
+    if (!w || !a || !b || !ranks || !scales || rows < 1 || cols < 1 || n_terms < 1 ||
+        (rows > 1 && ldw < cols))
+        return LORA_ERR_ARG;
     for (int t = 0; t < n_terms; t++)
-        if (ranks[t] < 1) return -1;
+        if (ranks[t] < 1 || !a[t] || !b[t]) return LORA_ERR_ARG;
     const lora_kernel_table *kt = lora_active_kernels();
     const terms_ tm = {n_terms, a, b, ranks, scales};
     int64_t work = 0;
     for (int t = 0; t < n_terms; t++) work += ranks[t];
     const int nt = lora_call_threads(rows * cols * work);
+    int64_t first = -1;
 #ifdef _OPENMP
     if (nt > 1) {
-        int64_t first = -1;
 #pragma omp parallel num_threads(nt)
         {
             int64_t lo, hi;
@@ -119,21 +124,24 @@ int64_t lora_merge(void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols
 #pragma omp critical(lora_merge_first)
             if (mine >= 0 && (first < 0 || mine < first)) first = mine;
         }
-        return first;
-    }
+    } else
 #endif
+        first = rows_(kt, w, w_dtype, ldw, 0, rows, cols, &tm, write);
     (void)nt;
-    return rows_(kt, w, w_dtype, ldw, 0, rows, cols, &tm, write);
+    if (bad) *bad = first;
+    return LORA_OK;
 }
 
-/* the largest magnitude's bits in rows [lo, hi): for float32 and for the 16-bit
- * formats alike, |x|'s bits (sign cleared) order the values, inf above every
- * finite value and every NaN above inf; integer maxima vectorise */
-static uint32_t abs_max_bits_(const void *w, int dtype, int64_t ldw, int64_t lo, int64_t hi,
+/* The largest magnitude's bits in rows [lo, hi): for float32 and for the
+ * 16-bit formats alike (IEEE-style: a sign bit on top), |x|'s bits (sign
+ * cleared) order the values, inf above every finite value and every NaN above
+ * inf; integer maxima vectorise.  By element size: */
+LORA_DTYPES(LORA_SIZE_2_OR_4, merge_abs_max)
+static uint32_t abs_max_bits_(const void *w, size_t isz, int64_t ldw, int64_t lo, int64_t hi,
                               int64_t cols) {
     uint32_t m = 0;
     for (int64_t i = lo; i < hi; i++) {
-        if (dtype == LORA_DTYPE_F32) {
+        if (isz == 4) {
             const uint32_t *v = (const uint32_t *)w + i * ldw;
             for (int64_t j = 0; j < cols; j++) {
                 const uint32_t u = v[j] & 0x7fffffffu;
@@ -152,8 +160,12 @@ static uint32_t abs_max_bits_(const void *w, int dtype, int64_t ldw, int64_t lo,
     return m;
 }
 
-double lora_abs_max(const void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols) {
-    if (rows <= 0 || cols <= 0 || !lora_dtype_valid(w_dtype)) return 0.0;
+int lora_abs_max(const void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols,
+                 double *max) {
+    if (max) *max = 0.0;
+    if (!lora_dtype_valid(w_dtype)) return LORA_ERR_DTYPE;
+    if (!w || !max || rows < 1 || cols < 1 || (rows > 1 && ldw < cols)) return LORA_ERR_ARG;
+    const size_t isz = lora_dtype_size(w_dtype);
     uint32_t m = 0;
     const int nt = lora_call_threads(rows * cols / 4);
 #ifdef _OPENMP
@@ -162,16 +174,19 @@ double lora_abs_max(const void *w, int w_dtype, int64_t ldw, int64_t rows, int64
         {
             int64_t lo, hi;
             lora_split(rows, omp_get_thread_num(), omp_get_num_threads(), 1, &lo, &hi);
-            const uint32_t mine = abs_max_bits_(w, w_dtype, ldw, lo, hi, cols);
+            const uint32_t mine = abs_max_bits_(w, isz, ldw, lo, hi, cols);
 #pragma omp critical(lora_abs_max)
             if (mine > m) m = mine;
         }
     } else
 #endif
-        m = abs_max_bits_(w, w_dtype, ldw, 0, rows, cols);
+        m = abs_max_bits_(w, isz, ldw, 0, rows, cols);
     (void)nt;
-    const uint16_t m16 = (uint16_t)m;
-    /* NaN when a NaN was seen (its bits are the largest) */
-    return w_dtype == LORA_DTYPE_F32 ? (double)lora_load_f32(&m, 0, LORA_DTYPE_F32)
-                                     : (double)lora_load_f32(&m16, 0, w_dtype);
+    /* the value of those bits (NaN when a NaN was seen: its bits are the
+     * largest), stored as the type lora_load_f32 reads them as */
+    union { float f; uint16_t h; } v;
+    if (isz == 4) memcpy(&v.f, &m, sizeof v.f);
+    else v.h = (uint16_t)m;
+    *max = (double)lora_load_f32(&v, 0, w_dtype);
+    return LORA_OK;
 }

@@ -458,6 +458,10 @@ def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=Non
         raise ValueError("x, out or the ids are not aligned to their item size")
     if status == lib.LORA_ERR_NOMEM:
         raise MemoryError("lora-kernels: out of memory for kernel scratch")
+    if status == lib.LORA_ERR_DTYPE:
+        raise TypeError(f"lora-kernels: a dtype code the C layer does not know reached it (it "
+                        f"knows {lib.LORA_DTYPE_COUNT}): the Python dtype table and the C "
+                        f"registry disagree")
     raise ValueError(f"lora-kernels: invalid arguments (status {status})")
 
 

@@ -124,7 +124,11 @@ def merge_(w, terms, rows, cols):
     size = base.itemsize
     target = base if base.__array_interface__["data"][0] % size == 0 else base.copy()
     ptr = ffi.cast(_VOIDP, target.__array_interface__["data"][0])  # odd offset: aligned copy
-    bound += lib.lora_abs_max(ptr, code, n_cols, n_rows, n_cols)
+    w_max = ffi.new("double *")
+    status = lib.lora_abs_max(ptr, code, n_cols, n_rows, n_cols, w_max)
+    if status != lib.LORA_OK:
+        arrays.raise_status(status)
+    bound += w_max[0]
     # |result| <= bound, up to float64 rounding: below the largest finite value, no overflow
     safe = bound * (1.0 + 1e-9) < dtypes.LARGEST[name]
     keep = [ffi.from_buffer(_DOUBLES, m) for m in lefts + rights]
@@ -132,9 +136,13 @@ def merge_(w, terms, rows, cols):
     ap = ffi.new("double *[]", keep[len(lefts):])
     ranks = ffi.new("int64_t[]", [m.shape[1] for m in lefts])
     sc = ffi.new("double[]", scales)
+    first_bad = ffi.new("int64_t *")
     for write in ((1,) if safe else (0, 1)):
-        bad = lib.lora_merge(ptr, code, n_cols, n_rows, n_cols, len(scales), ap, bp, ranks, sc,
-                             write)
+        status = lib.lora_merge(ptr, code, n_cols, n_rows, n_cols, len(scales), ap, bp, ranks,
+                                sc, write, first_bad)
+        if status != lib.LORA_OK:
+            arrays.raise_status(status)
+        bad = first_bad[0]
         if bad >= 0:
             bi, bj = bad // n_cols, bad % n_cols
             acc = float(target[bi, bj].astype(np.float64))

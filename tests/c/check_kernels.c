@@ -491,6 +491,68 @@ static void check_rounding(int ot) {
     free(xs), free(o32), free(oh), free(want);
 }
 
+/* ------------------------------------------------------------- statuses */
+
+/* every entry point refuses a dtype code outside the registry with LORA_ERR_DTYPE (the
+ * constructors with NULL) and writes nothing; merge and abs-max report through their
+ * out-parameters */
+static void check_statuses(void) {
+    snprintf(g_what, sizeof g_what, "statuses");
+    const float a[2] = {1.0f, 2.0f}, b[3] = {1.0f, -1.0f, 0.5f};
+    lora_delta *d = lora_delta_new(LORA_DTYPE_F32, 1, 3, 2, a, b);
+    CHECK(d != NULL, "lora_delta_new");
+    const int bad_codes[2] = {-1, LORA_DTYPE_COUNT};
+    float x[2] = {1.0f, 1.0f}, out[3] = {0.0f, 0.0f, 0.0f};
+    int64_t ids[1] = {0}, bad = 7;
+    const int64_t first[2] = {0, 1};
+    const lora_delta *dp[1] = {d};
+    const double sc[1] = {1.0};
+    for (int c = 0; c < 2; c++) {
+        const int dt = bad_codes[c];
+        CHECK(lora_delta_new(dt, 1, 3, 2, a, b) == NULL, "lora_delta_new(dtype %d)", dt);
+        CHECK(lora_delta_view(dt, 1, 3, 2, a, 2, 0, b, 3, 0) == NULL, "lora_delta_view(dtype %d)", dt);
+        CHECK(lora_add(d, 1.0f, x, dt, out, LORA_DTYPE_F32) == LORA_ERR_DTYPE, "lora_add x dtype %d", dt);
+        CHECK(lora_add(d, 1.0f, x, LORA_DTYPE_F32, out, dt) == LORA_ERR_DTYPE, "lora_add out dtype %d", dt);
+        CHECK(lora_apply_batch(1, first, dp, sc, NULL, NULL, 1, 3, 2, 1, x, dt, 2, out, LORA_DTYPE_F32, 3,
+                               &bad) == LORA_ERR_DTYPE, "lora_apply_batch x dtype %d", dt);
+        CHECK(lora_add_rows(d, 1.0f, 1, ids, out, dt, 2, &bad) == LORA_ERR_DTYPE, "lora_add_rows dtype %d", dt);
+        double m = 5.0;
+        CHECK(lora_abs_max(out, dt, 3, 1, 3, &m) == LORA_ERR_DTYPE, "lora_abs_max dtype %d", dt);
+        const double ad[2] = {1.0, 1.0}, bd[3] = {1.0, 1.0, 1.0};
+        const double *ap[1] = {ad}, *bp[1] = {bd};
+        const int64_t ranks[1] = {1};
+        CHECK(lora_merge(out, dt, 3, 1, 3, 1, ap, bp, ranks, sc, 1, &bad) == LORA_ERR_DTYPE && bad == -1,
+              "lora_merge dtype %d", dt);
+    }
+    CHECK(out[0] == 0.0f && out[1] == 0.0f && out[2] == 0.0f, "a refused call wrote out");
+    /* abs-max and merge on every dtype: statuses and results */
+    for (int dt = 0; dt < LORA_DTYPE_COUNT; dt++) {
+        snprintf(g_what, sizeof g_what, "abs_max / merge w=%s", DT[dt]);
+        const float wv[6] = {0.5f, -3.0f, 2.0f, 1.0f, -0.25f, 0.0f};
+        unsigned char w[6 * 4];
+        for (int i = 0; i < 6; i++) lora_store_f32(w, i, wv[i], dt);
+        double m = 0.0;
+        CHECK(lora_abs_max(w, dt, 3, 2, 3, &m) == LORA_OK && m == 3.0, "abs max %g, want 3", m);
+        CHECK(lora_abs_max(w, dt, 2, 2, 3, &m) == LORA_ERR_ARG, "ldw < cols accepted");
+        /* w += 2 * (B A) with A = [1 1 1], B = [1; -1]: row 0 + 2, row 1 - 2 */
+        const double ad[3] = {1.0, 1.0, 1.0}, bd[2] = {1.0, -1.0}, s2[1] = {2.0};
+        const double *ap[1] = {ad}, *bp[1] = {bd};
+        const int64_t ranks[1] = {1};
+        CHECK(lora_merge(w, dt, 3, 2, 3, 1, ap, bp, ranks, s2, 0, &bad) == LORA_OK && bad == -1,
+              "check pass: status or bad %lld", (long long)bad);
+        CHECK(lora_merge(w, dt, 3, 2, 3, 1, ap, bp, ranks, s2, 1, &bad) == LORA_OK && bad == -1,
+              "write pass: status or bad %lld", (long long)bad);
+        int ok = 1;
+        for (int i = 0; i < 6; i++) ok &= lora_load_f32(w, i, dt) == wv[i] + (i < 3 ? 2.0f : -2.0f);
+        CHECK(ok, "merged values");
+        /* an element pushed past the largest finite value: its flat index, nothing written */
+        const double huge[1] = {1e39};
+        CHECK(lora_merge(w, dt, 3, 2, 3, 1, ap, bp, ranks, huge, 0, &bad) == LORA_OK && bad == 0,
+              "overflow check: bad %lld, want 0", (long long)bad);
+    }
+    lora_delta_free(d);
+}
+
 /* ------------------------------------------------------------------ main */
 
 int main(void) {
@@ -507,6 +569,7 @@ int main(void) {
         CHECK(team >= 2, "an OpenMP build gets a team of %d (set OMP_NUM_THREADS=2): the thread "
               "checks would be vacuous", team);
     }
+    check_statuses();
     for (int isa = 0; isa < LORA_ISA_COUNT; isa++) {
         if (!lora_isa_supported(isa)) continue;
         set_isa(isa);
