@@ -119,7 +119,8 @@ ffibuilder.set_source(
     '#include "lora.h"\n',
     sources=[os.path.join("csrc", name) for name in SOURCES],
     include_dirs=["csrc"],
-    depends=[os.path.join("csrc", name) for name in ("lora.h", "kernels.h", "kernels_strip.h", "internal.h")],
+    depends=[os.path.join("csrc", name) for name in sorted(os.listdir(os.path.join(HERE, "csrc")))
+             if name.endswith(".h")],
     extra_compile_args=_cflags,
     extra_link_args=_ldflags,
 )

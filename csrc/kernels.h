@@ -42,11 +42,19 @@
  * static inline helpers (dt, xt, ot: compile-time LORA_DTYPE_* constants):
  *   project_(a, lda, cols, k0, k1, nb, xs, t, ldt, dt, xt)
  *   accumulate_(terms, n_terms, i0, i1, nb, outs, ot)
- *                                 (the SIMD files get it, and the strip and
- *                                 stack plumbing, from kernels_strip.h)
- *   widen_(src, n, dst, dt)       dt -> float32, exact (float32: a copy)
- *   narrow_(src, n, dst, ot)      float32 -> ot, nearest even (float32: a copy)
+ *   widen_(src, n, dst, dt)       dt -> float32, exact    (dt, ot: not float32,
+ *   narrow_(src, n, dst, ot)      float32 -> ot, nearest even  whose table entries copy)
  *   read_(buf, n)                 the benchmark's bandwidth probe
+ *   merge_row_(...)               the merges' row kernel
+ * where the parts that are the same logic on several ISAs come from headers
+ * the ISA file includes inside its target region (each says what it needs):
+ *   kernels_merge.h   merge_row_, portable C                  (every ISA)
+ *   kernels_strip.h   accumulate_ over term_/term_rows_       (AVX2, AVX-512, NEON)
+ *   kernels_read.h    read_ over a small vector vocabulary    (AVX2, AVX-512, NEON)
+ *   kernels_tails.h   the scalar tails, fma chains            (AVX2, NEON)
+ *   kernels_pairs.h   project_ and term_: positions in pairs  (AVX2, NEON)
+ * while the tiles, their widths, loads and horizontal sums stay in the ISA
+ * file, so a reader of one file sees the instructions it runs.
  * and then one line, LORA_KERNEL_TABLE(isa, own_order), which generates, for
  * every dtype <dt> of LORA_DTYPES (f32, f16, bf16), the entry points (this
  * comment is where `grep` for their names should land):
@@ -55,7 +63,7 @@
  *                                project_ compiled for that (dt, xt) pair
  *   lora_accumulate_<dt>_<isa>   out dtype dt
  *   lora_widen_<dt>_<isa>, lora_narrow_<dt>_<isa>
- *   lora_merge_row_<isa>         (portable C, see LORA_MERGE_FN_)
+ *   lora_merge_row_<isa>         (portable C, kernels_merge.h)
  *   lora_read_<isa>
  * and the table `lora_kernels_<isa>` the runtime points at.
  */
@@ -64,6 +72,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "lora.h"
 
@@ -199,7 +208,7 @@ typedef void (*lora_widen_fn)(const void *src, int64_t n, float *dst);
  * NaN, overflow gives inf: lora_f32_to_f16 / lora_f32_to_bf16; float32: a copy) */
 typedef void (*lora_narrow_fn)(const float *src, int64_t n, void *dst);
 /* merges: acc[j] += s * sum_k b[k] * a[k * lda + j] for j < n <= LORA_MERGE_CHUNK,
- * in float64; see LORA_MERGE_FN_ */
+ * in float64; see kernels_merge.h */
 typedef void (*lora_merge_row_fn)(const double *b, int64_t rank, const double *a, int64_t lda,
                                   int64_t n, double s, double *acc);
 
@@ -246,37 +255,29 @@ extern const lora_kernel_table lora_kernels_neon;
                                                int64_t i1, int nb, void *const *outs) {        \
         accumulate_(terms, n_terms, i0, i1, nb, outs, OT);                                     \
     }
+/* float32 widens and narrows by a copy, the same on every ISA: the ISA's
+ * widen_ and narrow_ see the other dtypes only */
 #define LORA_WIDEN_FN_(ISA, DT, NAME, BYTES, BITS)                                              \
     static void lora_widen_##NAME##_##ISA(const void *src, int64_t n, float *dst) {            \
-        widen_(src, n, dst, DT);                                                               \
+        if (DT == LORA_DTYPE_F32) memcpy(dst, src, (size_t)n * sizeof(float));                 \
+        else widen_(src, n, dst, DT);                                                          \
     }
 #define LORA_NARROW_FN_(ISA, OT, NAME, BYTES, BITS)                                             \
     static void lora_narrow_##NAME##_##ISA(const float *src, int64_t n, void *dst) {           \
-        narrow_(src, n, dst, OT);                                                              \
+        if (OT == LORA_DTYPE_F32) memcpy(dst, src, (size_t)n * sizeof(float));                 \
+        else narrow_(src, n, dst, OT);                                                         \
     }
 /* designated initializers of the tables: [code] = lora_<family>_<name>_<isa> */
 #define LORA_PROJECT_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_project_##NAME##_##ISA,
 #define LORA_ACCUMULATE_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_accumulate_##NAME##_##ISA,
 #define LORA_WIDEN_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_widen_##NAME##_##ISA,
 #define LORA_NARROW_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_narrow_##NAME##_##ISA,
-/* The merge's row kernel is portable C, the same for every ISA: expanded inside
- * each ISA's target region, the compiler vectorises it over j for that ISA.
- * The sum over k runs in order from the first product (a product, then a sum:
- * the build's -ffp-contract=off keeps fma out), then is scaled and added, so
- * every path gives the same bits: NumPy's t = b[0] * a[0]; t = t + b[k] * a[k]
- * ...; acc = acc + s * t, element by element. */
+/* the merges' row kernel (portable C, kernels_merge.h) */
 #define LORA_MERGE_CHUNK 512
 #define LORA_MERGE_FN_(ISA)                                                                     \
     static void lora_merge_row_##ISA(const double *b, int64_t rank, const double *a,           \
                                      int64_t lda, int64_t n, double s, double *acc) {          \
-        double t[LORA_MERGE_CHUNK];                                                            \
-        const double b0 = b[0];                                                                \
-        for (int64_t j = 0; j < n; j++) t[j] = b0 * a[j];                                      \
-        for (int64_t k = 1; k < rank; k++) {                                                   \
-            const double bk = b[k], *ak = a + k * lda;                                         \
-            for (int64_t j = 0; j < n; j++) t[j] = t[j] + bk * ak[j];                          \
-        }                                                                                      \
-        for (int64_t j = 0; j < n; j++) acc[j] = acc[j] + s * t[j];                            \
+        merge_row_(b, rank, a, lda, n, s, acc);                                                \
     }
 /* OWN_ORDER: the storage dtypes this ISA sums in an order of its own, as a
  * mask of 1u << LORA_DTYPE_* (0u: none); see lora_kernel_table.own_order. */

@@ -22,7 +22,8 @@
  *   by_row      (a term held by output, a caller's lora_B [out, r]) out[i] =
  *               fma(hsum8(lanes) + tail, s, out[i]), lanes and tail as in
  *               project over k, hsum8 the hadd tree of hsum8x8_.
- * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads).
+ * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads), the
+ * fma chains of kernels_tails.h, shared with the NEON file.
  * Accumulators: project keeps 4 ranks x 2 positions = 8 independent ymm
  * chains (FMA latency 4 x 2 ports = 8 in flight); accumulate keeps 2 row
  * vectors x 2 positions = 4 block chains plus their 4 running totals.
@@ -32,7 +33,6 @@
 #if defined(LORA_HAVE_X86)
 #include <immintrin.h>
 #include <math.h>
-#include <string.h>
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
@@ -43,7 +43,7 @@
 
 #define INLINE_ static inline __attribute__((always_inline))
 
-/* The loads and the rounding (narrow_) below know float32, float16 and
+/* The loads and the rounding (narrow_vec_) below know float32, float16 and
  * bfloat16, the last one in each being bfloat16. */
 LORA_DTYPES_HANDLED(3, avx2_loads_and_roundings_know_f32_f16_bf16);
 
@@ -67,11 +67,41 @@ INLINE_ float hsum_f32x8_(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* nr ranks (k .. k+nr) x nb positions; nr in {1, 4}, nb in {1, 2} */
+/* One whole vector of the widening and the rounding: dst[i .. i + VEC_LANES_)
+ * (the loops and their tails: widen_ and narrow_ in kernels_tails.h) */
+#define VEC_LANES_ 8
+INLINE_ void widen_vec_(const void *src, int64_t i, float *dst, const int dt) {
+    _mm256_storeu_ps(dst + i, load_f32x8_(src, i, dt));
+}
+
+/* rounded to nearest even into ot (float16 or bfloat16) */
+INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
+    const __m256 v = _mm256_loadu_ps(src + i);
+    __m128i h;
+    if (ot == LORA_DTYPE_F16) {
+        h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+        const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+        const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
+        const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+        r = _mm256_blendv_epi8(r, quiet, nan);
+        h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    }
+    _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), h);
+}
+
+#include "kernels_tails.h"
+
+/* nr ranks (k .. k+nr) x nb positions; nr in {1, PROJECT_RANKS_}, nb in {1, 2} */
+#define PROJECT_RANKS_ 4
 INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
                            const int nb, const void *const *xs, float *t, int64_t ldt,
                            const int dt, const int xt) {
-    __m256 acc_f32x8[4][2];
+    __m256 acc_f32x8[PROJECT_RANKS_][2];
     for (int r = 0; r < nr; r++)
         for (int b = 0; b < nb; b++) acc_f32x8[r][b] = _mm256_setzero_ps();
     const int64_t body = cols & ~(int64_t)7;
@@ -86,27 +116,8 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, 
     }
     for (int r = 0; r < nr; r++) {
         for (int b = 0; b < nb; b++) {
-            float tail = 0.0f;
-            for (int64_t j = body; j < cols; j++)
-                tail = fmaf(load_f32_(a, (k + r) * lda + j, dt), load_f32_(xs[b], j, xt), tail);
+            const float tail = fma_tail_(a, (k + r) * lda + body, dt, xs[b], body, xt, cols - body);
             t[b * ldt + k + r] = hsum_f32x8_(acc_f32x8[r][b]) + tail;
-        }
-    }
-}
-
-INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                      int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
-                      const int xt) {
-    for (int b = 0; b < nb; b += 2) {
-        const void *const *xb = xs + b;
-        float *tb = t + b * ldt;
-        int64_t k = k0;
-        if (nb - b >= 2) {
-            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 2, xb, tb, ldt, dt, xt);
-            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 2, xb, tb, ldt, dt, xt);
-        } else {
-            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 1, xb, tb, ldt, dt, xt);
-            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 1, xb, tb, ldt, dt, xt);
         }
     }
 }
@@ -156,34 +167,11 @@ INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int6
         term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, dt);
         i += 8;
     }
-    for (; i < i1; i++) {  /* the same blocked chains, one lane at a time */
-        for (int b = 0; b < nb; b++) {
-            if (scale[b] == 0.0f) continue;
-            float total = 0.0f;
-            for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
-                const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
-                float block = 0.0f;
-                for (int64_t k = k0; k < k1; k++)
-                    block = fmaf(load_f32_(m, k * ldm + i, dt), u[b * ldu + k], block);
-                total = k0 == 0 ? block : total + block;
-            }
-            outs[b][i - obase] = fmaf(total, scale[b], outs[b][i - obase]);
-        }
-    }
+    /* the same blocked chains, one lane at a time */
+    term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, dt);
 }
 
-INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
-                   int64_t obase, const int dt) {
-    /* positions in pairs; a constant pair size keeps every accumulator in a register */
-    for (int b = 0; b < nb; b += 2) {
-        if (nb - b >= 2)
-            term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 2, tm->u + b * tm->ldu, tm->ldu,
-                     tm->scale + b, outs + b, obase, dt);
-        else
-            term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 1, tm->u + b * tm->ldu, tm->ldu,
-                     tm->scale + b, outs + b, obase, dt);
-    }
-}
+#include "kernels_pairs.h"
 
 /* [hsum(v0), ..., hsum(v7)]: the fixed hadd / 128-bit-halves tree, so lane l is
  * ((v_l[0]+v_l[1])+(v_l[2]+v_l[3])) + ((v_l[4]+v_l[5])+(v_l[6]+v_l[7])) */
@@ -214,8 +202,7 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
                     const int64_t row = (i + l) * ldm;
                     for (int64_t k = 0; k < body; k += 8)
                         a = _mm256_fmadd_ps(load_f32x8_(tm->m, row + k, dt), _mm256_loadu_ps(u + k), a);
-                    for (int64_t k = body; k < kdim; k++)
-                        tail[l] = fmaf(load_f32_(tm->m, row + k, dt), u[k], tail[l]);
+                    tail[l] = fma_tail_(tm->m, row + body, dt, u, body, LORA_DTYPE_F32, kdim - body);
                 }
                 acc_f32x8[l] = a;
             }
@@ -232,57 +219,16 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
     }
 }
 
-INLINE_ void widen_(const void *src, int64_t n, float *dst, const int dt) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_f32x8_(src, i, dt));
-    for (; i < n; i++) dst[i] = load_f32_(src, i, dt);
-}
-
-/* dst[i] = src[i] rounded to nearest even into ot (float16 or bfloat16) */
-INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
-    if (ot == LORA_DTYPE_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-        return;
-    }
-    uint16_t *d = (uint16_t *)dst;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(src + i);
-        __m128i h;
-        if (ot == LORA_DTYPE_F16) {
-            h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        } else {
-            const __m256i u = _mm256_castps_si256(v);
-            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-            __m256i r = _mm256_srli_epi32(
-                _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-            const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
-            const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
-            const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-            r = _mm256_blendv_epi8(r, quiet, nan);
-            h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-        }
-        _mm_storeu_si128((__m128i *)(d + i), h);
-    }
-    for (; i < n; i++) lora_store_f32(dst, i, src[i], ot);
-}
-
 #include "kernels_strip.h"
+#include "kernels_merge.h"
 
-/* 4 independent adds in flight: enough to saturate two load ports from L1 */
-INLINE_ double read_(const float *buf, int64_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    int64_t j = 0;
-    for (; j + 32 <= n; j += 32) {
-        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(buf + j));
-        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(buf + j + 8));
-        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(buf + j + 16));
-        s3 = _mm256_add_ps(s3, _mm256_loadu_ps(buf + j + 24));
-    }
-    double s = hsum_f32x8_(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-    for (; j < n; j++) s += buf[j];
-    return s;
-}
+#define READ_F32V_ __m256
+#define READ_LANES_ 8
+#define read_zero_() _mm256_setzero_ps()
+#define read_load_(p) _mm256_loadu_ps(p)
+#define read_add_(a, b) _mm256_add_ps(a, b)
+#define read_hsum_(v) hsum_f32x8_(v)
+#include "kernels_read.h"
 
 LORA_KERNEL_TABLE(avx2, 0u)
 

@@ -45,7 +45,6 @@
 
 #if defined(LORA_HAVE_X86)
 #include <immintrin.h>
-#include <string.h>
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c"))), \
@@ -426,10 +425,6 @@ INLINE_ __m256i narrow_f32x16_(__m512 v, const int ot) {
 }
 
 INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
-    if (ot == LORA_DTYPE_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-        return;
-    }
     uint16_t *d = (uint16_t *)dst;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -441,21 +436,15 @@ INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
 }
 
 #include "kernels_strip.h"
+#include "kernels_merge.h"
 
-/* 4 independent adds in flight: two 64-byte loads per cycle from L1 */
-INLINE_ double read_(const float *buf, int64_t n) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    int64_t j = 0;
-    for (; j + 64 <= n; j += 64) {
-        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(buf + j));
-        s1 = _mm512_add_ps(s1, _mm512_loadu_ps(buf + j + 16));
-        s2 = _mm512_add_ps(s2, _mm512_loadu_ps(buf + j + 32));
-        s3 = _mm512_add_ps(s3, _mm512_loadu_ps(buf + j + 48));
-    }
-    double s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
-    for (; j < n; j++) s += buf[j];
-    return s;
-}
+#define READ_F32V_ __m512
+#define READ_LANES_ 16
+#define read_zero_() _mm512_setzero_ps()
+#define read_load_(p) _mm512_loadu_ps(p)
+#define read_add_(a, b) _mm512_add_ps(a, b)
+#define read_hsum_(v) _mm512_reduce_add_ps(v)
+#include "kernels_read.h"
 
 /* bfloat16 A is summed in even/odd column pairs (see the header), not in
  * float32's order: a float32 copy of a bf16 delta would change its bits */

@@ -36,9 +36,9 @@
  *               fma(hsum8(lanes) + tail, s, out[i]), lanes and tail as in
  *               project over k.
  * Tail strategy: a short scalar tail (cols mod 8 in project, the last
- * rows mod 4 outputs in accumulate), as in the AVX2 file: fmaf keeps each
- * lane's fma-chain, so a value's bits do not depend on whether it fell in a
- * vector or in the tail of some strip.
+ * rows mod 4 outputs in accumulate), the fma chains of kernels_tails.h that
+ * the AVX2 file shares: fmaf keeps each lane's fma-chain, so a value's bits
+ * do not depend on whether it fell in a vector or in the tail of some strip.
  * Accumulators: project keeps 4 ranks x 2 positions x 2 registers = 16
  * independent fma chains (FMA latency 4 x up to 4 FMA pipes on Neoverse
  * V1/V2 = 16 in flight; 2-pipe cores are saturated with room to spare) plus
@@ -51,11 +51,10 @@
 #if defined(LORA_HAVE_NEON)
 #include <arm_neon.h>
 #include <math.h>
-#include <string.h>
 
 #define INLINE_ static inline __attribute__((always_inline))
 
-/* The loads and the rounding (narrow_) below know float32, float16 and
+/* The loads and the rounding (narrow_vec_) below know float32, float16 and
  * bfloat16, the last one in each being bfloat16. */
 LORA_DTYPES_HANDLED(3, neon_loads_and_roundings_know_f32_f16_bf16);
 
@@ -73,19 +72,50 @@ INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
     return lora_bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
-/* ((lo0+hi0)+(lo1+hi1)) + ((lo2+hi2)+(lo3+hi3)), written out with faddp so
- * the tree does not depend on how a compiler lowers vaddvq_f32 */
-INLINE_ float hsum_f32x4x2_(float32x4_t lo, float32x4_t hi) {
-    const float32x4_t s = vaddq_f32(lo, hi);
-    const float32x4_t p = vpaddq_f32(s, s);  /* [s0+s1, s2+s3, s0+s1, s2+s3] */
-    return vpadds_f32(vget_low_f32(p));     /* (s0+s1) + (s2+s3) */
+/* (v0+v1) + (v2+v3), written out with faddp so the tree does not depend on
+ * how a compiler lowers vaddvq_f32 */
+INLINE_ float hsum_f32x4_(float32x4_t v) {
+    const float32x4_t p = vpaddq_f32(v, v);  /* [v0+v1, v2+v3, v0+v1, v2+v3] */
+    return vpadds_f32(vget_low_f32(p));     /* (v0+v1) + (v2+v3) */
 }
 
-/* nr ranks (k .. k+nr) x nb positions; nr in {1, 4}, nb in {1, 2} */
+/* ((lo0+hi0)+(lo1+hi1)) + ((lo2+hi2)+(lo3+hi3)) */
+INLINE_ float hsum_f32x4x2_(float32x4_t lo, float32x4_t hi) { return hsum_f32x4_(vaddq_f32(lo, hi)); }
+
+/* One whole vector of the widening and the rounding: dst[i .. i + VEC_LANES_)
+ * (the loops and their tails: widen_ and narrow_ in kernels_tails.h) */
+#define VEC_LANES_ 4
+INLINE_ void widen_vec_(const void *src, int64_t i, float *dst, const int dt) {
+    vst1q_f32(dst + i, load_f32x4_(src, i, dt));
+}
+
+/* rounded to nearest even into ot (float16 or bfloat16), bit-identical to
+ * lora_store_f32 (the scalar tail) */
+INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
+    const float32x4_t v = vld1q_f32(src + i);
+    uint16x4_t h;
+    if (ot == LORA_DTYPE_F16) {
+        h = vreinterpret_u16_f16(vcvt_f16_f32(v));
+    } else {
+        const uint32x4_t u = vreinterpretq_u32_f32(v);
+        const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+        const uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
+        const uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)),
+                                         vdupq_n_u32(0x7f800000));
+        const uint32x4_t quiet = vorrq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x40));
+        h = vmovn_u32(vbslq_u32(nan, quiet, r));
+    }
+    vst1_u16((uint16_t *)dst + i, h);
+}
+
+#include "kernels_tails.h"
+
+/* nr ranks (k .. k+nr) x nb positions; nr in {1, PROJECT_RANKS_}, nb in {1, 2} */
+#define PROJECT_RANKS_ 4
 INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
                            const int nb, const void *const *xs, float *t, int64_t ldt,
                            const int dt, const int xt) {
-    float32x4_t acc_f32x4[4][2][2];
+    float32x4_t acc_f32x4[PROJECT_RANKS_][2][2];
     for (int r = 0; r < nr; r++)
         for (int b = 0; b < nb; b++) acc_f32x4[r][b][0] = acc_f32x4[r][b][1] = vdupq_n_f32(0.0f);
     const int64_t body = cols & ~(int64_t)7;
@@ -106,27 +136,8 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, 
     }
     for (int r = 0; r < nr; r++) {
         for (int b = 0; b < nb; b++) {
-            float tail = 0.0f;
-            for (int64_t j = body; j < cols; j++)
-                tail = fmaf(load_f32_(a, (k + r) * lda + j, dt), load_f32_(xs[b], j, xt), tail);
+            const float tail = fma_tail_(a, (k + r) * lda + body, dt, xs[b], body, xt, cols - body);
             t[b * ldt + k + r] = hsum_f32x4x2_(acc_f32x4[r][b][0], acc_f32x4[r][b][1]) + tail;
-        }
-    }
-}
-
-INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                      int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
-                      const int xt) {
-    for (int b = 0; b < nb; b += 2) {
-        const void *const *xb = xs + b;
-        float *tb = t + b * ldt;
-        int64_t k = k0;
-        if (nb - b >= 2) {
-            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 2, xb, tb, ldt, dt, xt);
-            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 2, xb, tb, ldt, dt, xt);
-        } else {
-            for (; k + 4 <= k1; k += 4) project_tile_(a, lda, cols, k, 4, 1, xb, tb, ldt, dt, xt);
-            for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 1, xb, tb, ldt, dt, xt);
         }
     }
 }
@@ -174,34 +185,11 @@ INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int6
     int64_t i = i0;
     for (; i + 16 <= i1; i += 16) term_tile_(m, ldm, kdim, i, 4, nb, u, ldu, scale, outs, obase, dt);
     for (; i + 4 <= i1; i += 4) term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, dt);
-    for (; i < i1; i++) {  /* the same blocked chains, one lane at a time */
-        for (int b = 0; b < nb; b++) {
-            if (scale[b] == 0.0f) continue;
-            float total = 0.0f;
-            for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
-                const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
-                float block = 0.0f;
-                for (int64_t k = k0; k < k1; k++)
-                    block = fmaf(load_f32_(m, k * ldm + i, dt), u[b * ldu + k], block);
-                total = k0 == 0 ? block : total + block;
-            }
-            outs[b][i - obase] = fmaf(total, scale[b], outs[b][i - obase]);
-        }
-    }
+    /* the same blocked chains, one lane at a time */
+    term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, dt);
 }
 
-INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
-                   int64_t obase, const int dt) {
-    /* positions in pairs; a constant pair size keeps every accumulator in a register */
-    for (int b = 0; b < nb; b += 2) {
-        if (nb - b >= 2)
-            term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 2, tm->u + b * tm->ldu, tm->ldu,
-                     tm->scale + b, outs + b, obase, dt);
-        else
-            term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 1, tm->u + b * tm->ldu, tm->ldu,
-                     tm->scale + b, outs + b, obase, dt);
-    }
-}
+#include "kernels_pairs.h"
 
 /* A term held by output (by_row): out[i] += s * dot(M^T[i, :], u) for i in [i0, i1); each
  * row's dot product is the project order (lanes k mod 8 in two float32x4 chains, hsum8, then
@@ -221,64 +209,23 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
                 hi_f32x4 = vfmaq_f32(hi_f32x4, load_f32x4_(tm->m, row + k + 4, dt),
                                      vld1q_f32(u + k + 4));
             }
-            float tail = 0.0f;
-            for (int64_t k = body; k < kdim; k++) tail = fmaf(load_f32_(tm->m, row + k, dt), u[k], tail);
+            const float tail = fma_tail_(tm->m, row + body, dt, u, body, LORA_DTYPE_F32, kdim - body);
             float *o = outs[b] + (i - obase);
             *o = fmaf(hsum_f32x4x2_(lo_f32x4, hi_f32x4) + tail, s, *o);
         }
     }
 }
 
-INLINE_ void widen_(const void *src, int64_t n, float *dst, const int dt) {
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, load_f32x4_(src, i, dt));
-    for (; i < n; i++) dst[i] = load_f32_(src, i, dt);
-}
-
-/* dst[i] = src[i] rounded to nearest even into ot (float16 or bfloat16),
- * bit-identical to lora_store_f32 (the scalar tail) */
-INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
-    if (ot == LORA_DTYPE_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-        return;
-    }
-    uint16_t *d = (uint16_t *)dst;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        const float32x4_t v = vld1q_f32(src + i);
-        uint16x4_t h;
-        if (ot == LORA_DTYPE_F16) {
-            h = vreinterpret_u16_f16(vcvt_f16_f32(v));
-        } else {
-            const uint32x4_t u = vreinterpretq_u32_f32(v);
-            const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
-            const uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
-            const uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)),
-                                             vdupq_n_u32(0x7f800000));
-            const uint32x4_t quiet = vorrq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x40));
-            h = vmovn_u32(vbslq_u32(nan, quiet, r));
-        }
-        vst1_u16(d + i, h);
-    }
-    for (; i < n; i++) lora_store_f32(dst, i, src[i], ot);
-}
-
 #include "kernels_strip.h"
+#include "kernels_merge.h"
 
-/* 4 independent adds in flight: enough to keep two load pipes busy from L1 */
-INLINE_ double read_(const float *buf, int64_t n) {
-    float32x4_t s0 = vdupq_n_f32(0.0f), s1 = s0, s2 = s0, s3 = s0;
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        s0 = vaddq_f32(s0, vld1q_f32(buf + j));
-        s1 = vaddq_f32(s1, vld1q_f32(buf + j + 4));
-        s2 = vaddq_f32(s2, vld1q_f32(buf + j + 8));
-        s3 = vaddq_f32(s3, vld1q_f32(buf + j + 12));
-    }
-    double s = hsum_f32x4x2_(vaddq_f32(s0, s1), vaddq_f32(s2, s3));
-    for (; j < n; j++) s += buf[j];
-    return s;
-}
+#define READ_F32V_ float32x4_t
+#define READ_LANES_ 4
+#define read_zero_() vdupq_n_f32(0.0f)
+#define read_load_(p) vld1q_f32(p)
+#define read_add_(a, b) vaddq_f32(a, b)
+#define read_hsum_(v) hsum_f32x4_(v)
+#include "kernels_read.h"
 
 LORA_KERNEL_TABLE(neon, 0u)
 

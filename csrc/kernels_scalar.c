@@ -130,4 +130,6 @@ static inline void narrow_(const float *src, int64_t n, void *dst, const int ot)
     for (int64_t i = 0; i < n; i++) lora_store_f32(dst, i, src[i], ot);
 }
 
+#include "kernels_merge.h"
+
 LORA_KERNEL_TABLE(scalar, 0u)

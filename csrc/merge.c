@@ -5,7 +5,7 @@
  * One pass over w, a chunk of a row at a time, nothing materialised: widen w
  * (the active ISA's exact widening), add each term in order with the ISA's
  * merge_row kernel (the product over the rank in double, then scaled and
- * added: see LORA_MERGE_FN_), round once to nearest even (float16 and
+ * added: see kernels_merge.h), round once to nearest even (float16 and
  * bfloat16 through a round-to-odd float32, then the ISA's narrowing, so
  * nothing is rounded twice), and find the first element that was finite in w
  * and is not now.  Threads split rows, so the bits never depend on them, nor
