@@ -18,7 +18,7 @@
  * the bits never depend on the thread count, the batch or the position's
  * place in it.
  *
- * Whether a call opens a parallel region is the runtime's team policy
+ * Whether a call opens a parallel region is team.c's team policy
  * (lora_call_threads: enough work, and no back-off after a team that did not
  * pay); a region's size is a num_threads() clause (never
  * omp_set_num_threads), so OMP_NUM_THREADS and threadpoolctl keep their

@@ -1,6 +1,7 @@
 /*
- * internal.h - what the runtime, delta storage, drivers and benchmark helper
- * share inside the extension (not part of the C API, not seen by cffi).
+ * internal.h - what the ISA choice, the team policy, delta storage, the
+ * drivers, the merges and the benchmark helper share inside the extension
+ * (not part of the C API, not seen by cffi).
  */
 #ifndef LORA_INTERNAL_H
 #define LORA_INTERNAL_H
@@ -10,11 +11,13 @@
 
 #include "kernels.h"
 
-/* runtime.c: the kernel table of the ISA path in use, and whether this
- * process is a child after fork() (a GNU OpenMP pool does not survive it) */
+/* isa.c: the kernel table of the ISA path in use */
 const lora_kernel_table *lora_active_kernels(void);
+
+/* team.c: whether this process is a child after fork() (a GNU OpenMP pool
+ * does not survive it), and seconds on a monotonic clock (CLOCK_MONOTONIC,
+ * else omp_get_wtime, else 0): the team policy's timer */
 int lora_forked(void);
-/* seconds on a monotonic clock (CLOCK_MONOTONIC, else omp_get_wtime, else 0): the team policy's timer */
 double lora_now(void);
 
 /* delta.c: 64-byte aligned memory (posix_memalign / _aligned_malloc) */

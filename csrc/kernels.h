@@ -65,7 +65,7 @@
  *   lora_widen_<dt>_<isa>, lora_narrow_<dt>_<isa>
  *   lora_merge_row_<isa>         (portable C, kernels_merge.h)
  *   lora_read_<isa>
- * and the table `lora_kernels_<isa>` the runtime points at.
+ * and the table `lora_kernels_<isa>` isa.c points at.
  */
 #ifndef LORA_KERNELS_H
 #define LORA_KERNELS_H

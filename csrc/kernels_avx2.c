@@ -1,7 +1,7 @@
 /*
  * kernels_avx2.c - the AVX2 + FMA path (Haswell and later, Zen).
  *
- * Required features: AVX2, FMA, F16C (dispatch.c checks all three).
+ * Required features: AVX2, FMA, F16C (isa.c checks all three).
  * Instructions: vfmadd231ps on 8-lane ymm registers; float16 storage is
  * widened with vcvtph2ps (F16C), bfloat16 with vpmovzxwd + vpslld 16 (a
  * bfloat16 is the top half of a float32, so the shift is exact).

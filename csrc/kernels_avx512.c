@@ -2,7 +2,7 @@
  * kernels_avx512.c - the AVX-512 path (Skylake-SP and later, Zen 4).
  *
  * Required features: AVX512F, AVX512BW + AVX512VL (16-bit masked loads for
- * the half-precision tails), FMA, F16C (dispatch.c checks all of them).
+ * the half-precision tails), FMA, F16C (isa.c checks all of them).
  * Instructions: vfmadd231ps on 16-lane zmm registers; float16 storage is
  * widened with vcvtph2ps; bfloat16 storage 32 values per 64-byte load, split
  * into its even- and odd-indexed values by two vpshufb (exact, port 5, off

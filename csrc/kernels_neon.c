@@ -4,7 +4,7 @@
  *
  * Required features: AdvSIMD and its FP16 conversions, both baseline on
  * aarch64, so nothing is checked at run time and no target pragma is needed
- * (runtime.c makes this the best path whenever the file is compiled in).
+ * (isa.c makes this the best path whenever the file is compiled in).
  * Instructions: fmla (vfmaq_f32) on 4-lane float32x4 registers; float16
  * storage and activations are widened with fcvtl (vcvt_f32_f16, exact),
  * bfloat16 with ushll #16 (vshll_n_u16: a bfloat16 is the top half of a

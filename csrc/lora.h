@@ -51,16 +51,19 @@ typedef struct lora_delta lora_delta;
 #define LORA_ISA_NEON 3
 #define LORA_ISA_COUNT 4
 
-/* --- runtime: ISA choice, threads, build facts --------------------------- */
+/* --- ISA choice and build facts (isa.c) ---------------------------------- */
 int lora_isa_supported(int isa);        /* 1 when this CPU and build can run `isa` */
 int lora_best_isa(void);                /* the best supported path */
 int lora_get_isa(void);                 /* the path in use */
 int lora_set_isa(int isa);              /* LORA_OK, or LORA_ERR_ARG when unsupported */
+const char *lora_compiler(void);        /* the compiler that built the extension */
+
+/* --- threads (team.c) ----------------------------------------------------- */
 int lora_openmp(void);                  /* 1 when built with OpenMP */
 void lora_set_num_threads(int n);       /* n >= 1: a process-wide cap; 0 removes it */
 int lora_get_num_threads(void);         /* min(cap, omp_get_max_threads()) right now */
 int lora_probe_threads(void);           /* team size a call would run with right now */
-/* the adaptive team policy (runtime.c): a call of `work` multiply-adds opens a
+/* the adaptive team policy (team.c): a call of `work` multiply-adds opens a
  * team only from lora_team_min_work() and while no back-off is running; every
  * team call reports its wall time and its threads' summed compute time */
 int64_t lora_team_min_work(void);
@@ -69,7 +72,6 @@ void lora_team_report(double wall, double busy);
 double lora_team_backoff(void);          /* seconds of one-thread calls left (0: none) */
 void lora_team_stats(int64_t *calls, int64_t *lost);
 void lora_team_reset(void);              /* forget the back-off and the counts (tests) */
-const char *lora_compiler(void);
 
 /* --- deltas --------------------------------------------------------------- */
 /* a: rank x cols values, b: rows x rank values, row-major, in the storage
