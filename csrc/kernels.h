@@ -362,27 +362,27 @@ static inline uint16_t lora_f32_to_f16(float f) {
 /* float32 is its own conversion (so every registry name has both) */
 static inline float lora_f32_to_f32(float f) { return f; }
 
-/* element i of a dtype array, as float32 (exact) */
+/* element i of a dtype array, as float32 (exact); one test per registry dtype,
+ * the code checked first (lora_dtype_valid), so none is left over */
 static inline float lora_load_f32(const void *p, int64_t i, int dtype) {
-    switch (dtype) {
-#define LORA_LOAD_CASE_(A, CODE, NAME, BYTES, BITS)                                             \
-    case CODE: return lora_##NAME##_to_f32(((const BITS *)p)[i]);
-    LORA_DTYPES(LORA_LOAD_CASE_, )
-#undef LORA_LOAD_CASE_
-    default: LORA_UNREACHABLE();
-    }
+#define LORA_LOAD_IF_(A, CODE, NAME, BYTES, BITS)                                               \
+    if (dtype == CODE) return lora_##NAME##_to_f32(((const BITS *)p)[i]);
+    LORA_DTYPES(LORA_LOAD_IF_, )
+#undef LORA_LOAD_IF_
+    LORA_UNREACHABLE();
     return 0.0f;
 }
 
 /* element i of a dtype array = v, rounded to nearest even */
 static inline void lora_store_f32(void *p, int64_t i, float v, int dtype) {
-    switch (dtype) {
-#define LORA_STORE_CASE_(A, CODE, NAME, BYTES, BITS)                                            \
-    case CODE: ((BITS *)p)[i] = lora_f32_to_##NAME(v); return;
-    LORA_DTYPES(LORA_STORE_CASE_, )
-#undef LORA_STORE_CASE_
-    default: LORA_UNREACHABLE();
+#define LORA_STORE_IF_(A, CODE, NAME, BYTES, BITS)                                              \
+    if (dtype == CODE) {                                                                       \
+        ((BITS *)p)[i] = lora_f32_to_##NAME(v);                                                \
+        return;                                                                                \
     }
+    LORA_DTYPES(LORA_STORE_IF_, )
+#undef LORA_STORE_IF_
+    LORA_UNREACHABLE();
 }
 
 #endif /* LORA_KERNELS_H */
