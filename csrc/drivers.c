@@ -34,10 +34,11 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
     lora_plan p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf = NULL;
     int st = lora_unalias(out, batch > 0 ? (int64_t)(((batch - 1) * ldo + rows) * osz) : 0, batch,
-                      ids_every, &entry_ids, &pos_scales, NULL, own);
+                          ids_every, &entry_ids, &pos_scales, NULL, own);
     if (st == LORA_OK)
-        st = lora_plan_call(&p, n_entries, first, deltas, scales, entry_ids, pos_scales, ids_every,
-                        rows, cols, batch, out, out_dtype, ldo, bad, stack_buf, &heap_buf);
+        st = lora_plan_call(&p, n_entries, first, deltas, scales, entry_ids, pos_scales,
+                            ids_every, rows, cols, batch, out, out_dtype, ldo, bad, stack_buf,
+                            &heap_buf);
     if (st == LORA_OK) {
         p.x = (const char *)x, p.x_dtype = x_dtype, p.ldx = ldx;
         lora_widened wide;
@@ -62,11 +63,13 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
     void *own[3] = {NULL, NULL, NULL};
     lora_plan p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf = NULL;
-    int st = lora_unalias(out, n > 0 ? (int64_t)(((n - 1) * ldo + cols) * lora_dtype_size(out_dtype)) : 0,
-                      n, ids_every, &entry_ids, &pos_scales, &ids, own);
+    const size_t osz = lora_dtype_size(out_dtype);
+    const int64_t out_bytes = n > 0 ? (int64_t)(((n - 1) * ldo + cols) * osz) : 0;
+    int st = lora_unalias(out, out_bytes, n, ids_every, &entry_ids, &pos_scales, &ids, own);
     if (st == LORA_OK)
-        st = lora_plan_call(&p, n_entries, first, deltas, scales, entry_ids, pos_scales, ids_every,
-                        rows, cols, n, out, out_dtype, ldo, bad, stack_buf, &heap_buf);
+        st = lora_plan_call(&p, n_entries, first, deltas, scales, entry_ids, pos_scales,
+                            ids_every, rows, cols, n, out, out_dtype, ldo, bad, stack_buf,
+                            &heap_buf);
     if (st == LORA_OK) {
         for (int64_t i = 0; i < n; i++) {
             if (ids[i] < 0 || ids[i] >= rows) {

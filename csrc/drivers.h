@@ -54,7 +54,8 @@ typedef struct {
     int64_t ldo;
 } lora_plan;
 
-static inline int lora_ranges_overlap(const void *p, int64_t pbytes, const void *q, int64_t qbytes) {
+static inline int lora_ranges_overlap(const void *p, int64_t pbytes, const void *q,
+                                      int64_t qbytes) {
     const char *a = (const char *)p, *b = (const char *)q;
     return a < b + qbytes && b < a + pbytes;
 }

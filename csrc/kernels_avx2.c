@@ -202,7 +202,8 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
                     const int64_t row = (i + l) * ldm;
                     for (int64_t k = 0; k < body; k += 8)
                         a = _mm256_fmadd_ps(load_f32x8_(tm->m, row + k, dt), _mm256_loadu_ps(u + k), a);
-                    tail[l] = fma_tail_(tm->m, row + body, dt, u, body, LORA_DTYPE_F32, kdim - body);
+                    tail[l] = fma_tail_(tm->m, row + body, dt, u, body, LORA_DTYPE_F32,
+                                        kdim - body);
                 }
                 acc_f32x8[l] = a;
             }

@@ -80,7 +80,9 @@ INLINE_ float hsum_f32x4_(float32x4_t v) {
 }
 
 /* ((lo0+hi0)+(lo1+hi1)) + ((lo2+hi2)+(lo3+hi3)) */
-INLINE_ float hsum_f32x4x2_(float32x4_t lo, float32x4_t hi) { return hsum_f32x4_(vaddq_f32(lo, hi)); }
+INLINE_ float hsum_f32x4x2_(float32x4_t lo, float32x4_t hi) {
+    return hsum_f32x4_(vaddq_f32(lo, hi));
+}
 
 /* One whole vector of the widening and the rounding: dst[i .. i + VEC_LANES_)
  * (the loops and their tails: widen_ and narrow_ in kernels_tails.h) */
@@ -209,7 +211,8 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
                 hi_f32x4 = vfmaq_f32(hi_f32x4, load_f32x4_(tm->m, row + k + 4, dt),
                                      vld1q_f32(u + k + 4));
             }
-            const float tail = fma_tail_(tm->m, row + body, dt, u, body, LORA_DTYPE_F32, kdim - body);
+            const float tail =
+                fma_tail_(tm->m, row + body, dt, u, body, LORA_DTYPE_F32, kdim - body);
             float *o = outs[b] + (i - obase);
             *o = fmaf(hsum_f32x4x2_(lo_f32x4, hi_f32x4) + tail, s, *o);
         }

@@ -22,10 +22,16 @@ INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
                     float *const *outs, int64_t obase) {
     for (int q = 0; q < n_terms; q++) {
         if (terms[q].by_row) {
-            switch (terms[q].dtype) { LORA_DTYPES(STRIP_TERM_CASE_, term_rows_) default: LORA_UNREACHABLE(); }
+            switch (terms[q].dtype) {
+                LORA_DTYPES(STRIP_TERM_CASE_, term_rows_)
+                default: LORA_UNREACHABLE();
+            }
             continue;
         }
-        switch (terms[q].dtype) { LORA_DTYPES(STRIP_TERM_CASE_, term_) default: LORA_UNREACHABLE(); }
+        switch (terms[q].dtype) {
+            LORA_DTYPES(STRIP_TERM_CASE_, term_)
+            default: LORA_UNREACHABLE();
+        }
     }
 }
 #undef STRIP_TERM_CASE_
@@ -50,7 +56,8 @@ INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_
         float *so[LORA_NB];
         for (int b = 0; b < nb; b++) {
             so[b] = strip[b];  /* output i at strip[b][i - i_strip] */
-            if (touched[b]) widen_((const char *)outs[b] + i * lora_dtype_size(ot), n, strip[b], ot);
+            if (touched[b])
+                widen_((const char *)outs[b] + i * lora_dtype_size(ot), n, strip[b], ot);
         }
         terms_(terms, n_terms, i, i + n, nb, so, i);
         for (int b = 0; b < nb; b++)

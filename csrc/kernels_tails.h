@@ -26,7 +26,8 @@
 INLINE_ float fma_tail_(const void *a, int64_t ia, const int dt, const void *x, int64_t ix,
                         const int xt, int64_t n) {
     float acc = 0.0f;
-    for (int64_t j = 0; j < n; j++) acc = fmaf(load_f32_(a, ia + j, dt), load_f32_(x, ix + j, xt), acc);
+    for (int64_t j = 0; j < n; j++)
+        acc = fmaf(load_f32_(a, ia + j, dt), load_f32_(x, ix + j, xt), acc);
     return acc;
 }
 

@@ -129,10 +129,10 @@ void lora_widened_free(lora_widened *w) {
 }
 
 int lora_plan_call(lora_plan *p, int64_t n_entries, const int64_t *first,
-                      const lora_delta *const *deltas, const double *scales,
-                      const int64_t *entry_ids, const double *pos_scales, int64_t every,
-                      int64_t rows, int64_t cols, int64_t n, void *out, int out_dtype,
-                      int64_t ldo, int64_t *bad, int64_t *stack_buf, int64_t **heap_buf) {
+                   const lora_delta *const *deltas, const double *scales,
+                   const int64_t *entry_ids, const double *pos_scales, int64_t every,
+                   int64_t rows, int64_t cols, int64_t n, void *out, int out_dtype, int64_t ldo,
+                   int64_t *bad, int64_t *stack_buf, int64_t **heap_buf) {
     *heap_buf = NULL;
     if (bad) *bad = -1;
     if (n_entries < 1 || rows < 1 || cols < 1 || n < 0 || every < 1) return LORA_ERR_ARG;
@@ -213,12 +213,13 @@ static int private_copy_(const void *out, int64_t out_bytes, const void **p, int
 
 /* private copies of entry_ids, pos_scales (and the gather's token ids) that alias out */
 int lora_unalias(const void *out, int64_t out_bytes, int64_t n, int64_t every,
-                    const int64_t **entry_ids, const double **pos_scales, const int64_t **ids,
-                    void *own[3]) {
+                 const int64_t **entry_ids, const double **pos_scales, const int64_t **ids,
+                 void *own[3]) {
     const int64_t n_ids = every > 0 ? (n + every - 1) / every : 0;
     int st = private_copy_(out, out_bytes, (const void **)entry_ids, n_ids * 8, &own[0]);
     if (st == LORA_OK)
         st = private_copy_(out, out_bytes, (const void **)pos_scales, n_ids * 8, &own[1]);
-    if (st == LORA_OK && ids) st = private_copy_(out, out_bytes, (const void **)ids, n * 8, &own[2]);
+    if (st == LORA_OK && ids)
+        st = private_copy_(out, out_bytes, (const void **)ids, n * 8, &own[2]);
     return st;
 }
