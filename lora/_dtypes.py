@@ -72,6 +72,12 @@ ALL = (
           via_odd=True),
 )
 
+# the C side lists the same dtypes (LORA_DTYPES in csrc/kernels.h, codes 0 .. LORA_DTYPE_COUNT - 1)
+if sorted(d.code for d in ALL) != list(range(lib.LORA_DTYPE_COUNT)):
+    raise ImportError(f"lora-kernels: the Python dtype list has the codes "
+                      f"{sorted(d.code for d in ALL)}, the extension knows {lib.LORA_DTYPE_COUNT} "
+                      f"dtypes: rebuild the extension")
+
 BY_NAME = {d.name: d for d in ALL}
 BY_CODE = {d.code: d for d in ALL}
 NAMES = tuple(BY_NAME)                            # ("float32", "float16", "bfloat16")
