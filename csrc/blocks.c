@@ -66,7 +66,7 @@ static void run_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int 
         const int64_t pos = p->order ? p->order[start + b] : start + b;
         outs[b] = p->out + (size_t)(pos * p->ldo) * osz;
         if (gather) tok[b] = p->ids[pos];
-        else xs[b] = p->x + (size_t)(pos * p->ldx) * xsz;
+        else xs[b] = p->x + (size_t)(pos / p->x_every * p->ldx) * xsz;
         mul[b] = p->pos_scales ? p->pos_scales[pos / p->every] : 1.0;
     }
     /* the members that add anything to this block, with their scales */

@@ -14,27 +14,38 @@
 
 #include "drivers.h"
 
+int lora_check_apply(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
+                     const void *x, int x_dtype, int64_t ldx, int64_t n_x, int64_t cols,
+                     const void *out, int out_dtype, int64_t ldo, int64_t n_out, int64_t rows) {
+    if (!lora_dtype_valid(x_dtype) || !lora_dtype_valid(out_dtype)) return LORA_ERR_DTYPE;
+    const size_t xsz = lora_dtype_size(x_dtype), osz = lora_dtype_size(out_dtype);
+    if ((n_x > 1 && ldx < cols) || (n_out > 1 && ldo < rows)) return LORA_ERR_ARG;
+    if ((uintptr_t)x % xsz || (uintptr_t)out % osz) return LORA_ERR_ALIGN;
+    if (n_x > 0 && n_out > 0 &&
+        lora_ranges_overlap(x, (int64_t)(((n_x - 1) * ldx + cols) * xsz), out,
+                            (int64_t)(((n_out - 1) * ldo + rows) * osz)))
+        return LORA_ERR_OVERLAP;
+    for (int64_t q = 0; n_entries > 0 && q < first[n_entries]; q++)
+        if (deltas[q] && deltas[q]->a_by_row) return LORA_ERR_ARG; /* a gather-only view */
+    return LORA_OK;
+}
+
 int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
                      const double *scales, const int64_t *entry_ids, const double *pos_scales,
                      int64_t ids_every, int64_t rows, int64_t cols, int64_t batch,
                      const void *x, int x_dtype, int64_t ldx, void *out, int out_dtype,
                      int64_t ldo, int64_t *bad) {
-    if (!lora_dtype_valid(x_dtype) || !lora_dtype_valid(out_dtype)) return LORA_ERR_DTYPE;
-    const size_t xsz = lora_dtype_size(x_dtype), osz = lora_dtype_size(out_dtype);
-    if (batch > 1 && (ldx < cols || ldo < rows)) return LORA_ERR_ARG;
-    if ((uintptr_t)x % xsz || (uintptr_t)out % osz) return LORA_ERR_ALIGN;
-    if (batch > 0 && lora_ranges_overlap(x, (int64_t)(((batch - 1) * ldx + cols) * xsz), out,
-                                     (int64_t)(((batch - 1) * ldo + rows) * osz)))
-        return LORA_ERR_OVERLAP;
+    int st = lora_check_apply(n_entries, first, deltas, x, x_dtype, ldx, batch, cols, out,
+                              out_dtype, ldo, batch, rows);
+    if (st != LORA_OK) return st;
     if ((uintptr_t)entry_ids % sizeof(int64_t) || (uintptr_t)pos_scales % sizeof(double))
         return LORA_ERR_ALIGN;
-    for (int64_t q = 0; n_entries > 0 && q < first[n_entries]; q++)
-        if (deltas[q] && deltas[q]->a_by_row) return LORA_ERR_ARG; /* a gather-only view */
+    const size_t osz = lora_dtype_size(out_dtype);
     void *own[3] = {NULL, NULL, NULL};
     lora_plan p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf = NULL;
-    int st = lora_unalias(out, batch > 0 ? (int64_t)(((batch - 1) * ldo + rows) * osz) : 0, batch,
-                          ids_every, &entry_ids, &pos_scales, NULL, own);
+    st = lora_unalias(out, batch > 0 ? (int64_t)(((batch - 1) * ldo + rows) * osz) : 0, batch,
+                      ids_every, &entry_ids, &pos_scales, NULL, own);
     if (st == LORA_OK)
         st = lora_plan_call(&p, n_entries, first, deltas, scales, entry_ids, pos_scales,
                             ids_every, rows, cols, batch, out, out_dtype, ldo, bad, stack_buf,

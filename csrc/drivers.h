@@ -44,10 +44,12 @@ typedef struct {
     int64_t every;              /* position b's id is b / every */
     int64_t max_rank_sum;       /* the largest sum of member ranks of one entry */
     int64_t max_members;
-    /* prefill: x rows; gather: ids */
+    /* prefill: x rows (position b reads row b / x_every: a mixture of experts'
+     * token row shared by its slots; 1 everywhere else); gather: ids */
     const char *x;
     int x_dtype;
     int64_t ldx;
+    int64_t x_every;
     const int64_t *ids;
     char *out;
     int out_dtype;
@@ -59,6 +61,16 @@ static inline int lora_ranges_overlap(const void *p, int64_t pbytes, const void 
     const char *a = (const char *)p, *b = (const char *)q;
     return a < b + qbytes && b < a + pbytes;
 }
+
+/* --- drivers.c */
+
+/* The checks of an apply call's activations that only its entry point can
+ * see: the dtype codes, leading dimensions (n_x rows of x, n_out of out),
+ * alignment, the byte ranges of x and out (LORA_ERR_OVERLAP), and no
+ * gather-only view among the deltas.  LORA_OK or the status to return. */
+int lora_check_apply(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
+                     const void *x, int x_dtype, int64_t ldx, int64_t n_x, int64_t cols,
+                     const void *out, int out_dtype, int64_t ldo, int64_t n_out, int64_t rows);
 
 /* --- plan.c */
 

@@ -31,7 +31,8 @@ typedef struct lora_delta lora_delta;
 #define LORA_ERR_NOMEM 1     /* an allocation failed (delta storage, bank scratch) */
 #define LORA_ERR_ARG 2       /* a size or leading dimension that cannot be right */
 #define LORA_ERR_OVERLAP 3   /* the bytes of x and out intersect */
-#define LORA_ERR_INDEX 4     /* a token id out of [0, rows); *bad = its position */
+#define LORA_ERR_INDEX 4     /* a token id out of [0, rows), or an expert id out of
+                              [-1, n_experts); *bad = its position */
 #define LORA_ERR_ADAPTER 5   /* an adapter id out of [-1, n_entries); *bad = its position */
 #define LORA_ERR_ALIGN 6     /* x or out not 4-byte aligned (ids: 8), which C may not read */
 #define LORA_ERR_SCALE 7     /* an effective scale that is not finite in float32 */
@@ -137,6 +138,29 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
                     const double *scales, const int64_t *entry_ids, const double *pos_scales,
                     int64_t ids_every, int64_t rows, int64_t cols, int64_t n, const int64_t *ids,
                     void *out, int out_dtype, int64_t ldo, int64_t *bad);
+
+/* Mixtures of experts: n routed (token, slot) pairs, pair q through the
+ * expert expert_ids[q] (-1 = none) of adapter adapter_ids[q / ids_every]
+ * (-1 = none; adapter_ids NULL = adapter 0 everywhere).  The entry table is
+ * lora_apply_batch's (first, deltas, scales); adapter a's experts are its
+ * kernel entries starts[a] .. starts[a + 1) (starts: n_adapters + 1 values),
+ * expert e being entry starts[a] + e, and an adapter with fewer than
+ * n_experts entries (an empty slot) adds nothing.  Pair q reads x row
+ * q / x_every (x_every = k: a token's k slots share its row; 1: a row per
+ * pair) and adds into out row q: out[q*ldo + i] += s * (B_e A_e x[(q /
+ * x_every)*ldx + :])[i], each row bit-identical to lora_add of that expert
+ * alone.  pos_scales (NULL = none) is indexed like adapter_ids and means
+ * what it means for lora_apply_batch.  Before anything is written: an
+ * adapter id outside [-1, n_adapters) is LORA_ERR_ADAPTER (*bad = its index
+ * in adapter_ids), an expert id outside [-1, n_experts) LORA_ERR_INDEX
+ * (*bad = its pair), a scale as lora_apply_batch (*bad = its index in
+ * pos_scales). */
+int lora_apply_experts(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
+                       const double *scales, int64_t n_adapters, const int64_t *starts,
+                       int64_t n_experts, const int64_t *adapter_ids, const double *pos_scales,
+                       int64_t ids_every, const int64_t *expert_ids, int64_t x_every,
+                       int64_t rows, int64_t cols, int64_t n, const void *x, int x_dtype,
+                       int64_t ldx, void *out, int out_dtype, int64_t ldo, int64_t *bad);
 
 /* Merges (merge_into / unmerge_from): w[i*ldw + j] becomes w + sum_t scales[t]
  * * (B_t @ A_t)[i, j], formed in double: each product over the rank in order

@@ -142,6 +142,7 @@ int lora_plan_call(lora_plan *p, int64_t n_entries, const int64_t *first,
     p->rows = rows, p->cols = cols;
     p->pos_scales = pos_scales, p->every = every;
     p->out = (char *)out, p->out_dtype = out_dtype, p->ldo = ldo;
+    p->x_every = 1;
     for (int64_t q = 0; q < first[n_entries]; q++) {
         const lora_delta *d = deltas[q];
         if (!d || d->rows != rows || d->cols != cols) return LORA_ERR_ARG;

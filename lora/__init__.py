@@ -17,6 +17,7 @@ from .adapter_set import AdapterSet
 from .bank import LoraBank
 from .delta import LoraDelta
 from .errors import LoraFormatError, LoraShapeError
+from .experts import LoraExperts
 from .adapter import LoraAdapter
 from .gguf import load_gguf
 from .peft import load_peft
@@ -29,6 +30,7 @@ __all__ = [
     "LoraFormatError",
     "LoraDelta",
     "LoraStack",
+    "LoraExperts",
     "LoraBank",
     "AdapterSet",
     "accelerate_peft",

@@ -98,9 +98,11 @@ def run_vec(call, call_at, extra, x, out, xshape, oshape, status):
     return out
 
 
-def run_batch(call, call_at, extra, x, out, cols, rows, status):
+def run_batch(call, call_at, extra, x, out, cols, rows, status, xdrop=0):
     """Batched: ``call`` on x ``[..., cols]`` and out ``[..., rows]`` with the same leading axes;
-    returns out.  ``status`` as for `run_vec`."""
+    returns out.  ``status`` as for `run_vec`.  ``xdrop``: x lacks that many of out's last
+    leading axes (1: a mixture of experts' token rows, each shared by the token's slots: x
+    ``[T, cols]`` for out ``[T, k, rows]``); ``n`` is then still out's positions."""
     if status is None:
         if type(out) is not ndarray:
             # the tensor fast path: plain contiguous CPU tensors, any leading axes (the neg bit:
@@ -113,11 +115,11 @@ def run_batch(call, call_at, extra, x, out, cols, rows, status):
                         and out.is_cpu and not out.requires_grad):
                     xs, os_ = x.shape, out.shape
                     nd = len(os_)
-                    if nd == 2:  # the common case, without slicing torch.Size (slow)
+                    if nd == 2 and not xdrop:  # the common case, without slicing torch.Size
                         if os_[1] == rows and len(xs) == 2 and xs[1] == cols and xs[0] == os_[0]:
                             n = os_[0]
-                    elif (nd > 2 and os_[-1] == rows and xs[-1] == cols
-                          and tuple(xs)[:-1] == tuple(os_)[:-1]):
+                    elif (nd >= 2 and os_[-1] == rows and xs[-1] == cols
+                          and tuple(xs)[:-1] == tuple(os_)[:nd - 1 - xdrop]):
                         n = out.numel() // rows
                     if n >= 0 and not (x.is_contiguous() and out.is_contiguous()):
                         n = -1
@@ -136,7 +138,7 @@ def run_batch(call, call_at, extra, x, out, cols, rows, status):
                     return out
     elif status != ERR_ALIGN and status != DECLINE:
         _raise_status(status)
-    keep, xp, xc, ldx, op, oc, ldo, n, lead = batch_args(x, out, cols, rows)  # keep: as run_vec
+    keep, xp, xc, ldx, op, oc, ldo, n, lead = batch_args(x, out, cols, rows, xdrop)  # as run_vec
     status = call(extra, lead, n, xp, xc, ldx, op, oc, ldo)
     if status:
         _raise_status(status)
@@ -151,13 +153,15 @@ def vec_args(x, out, xshape, oshape):
     return keep, xp, xc, op, oc
 
 
-def batch_args(x, out, cols, rows):
+def batch_args(x, out, cols, rows, xdrop=0):
     """Checks for the batched linear methods: out [..., rows], x [..., cols] with the same leading
-    axes.  Returns (x keep-alive, x ptr, x code, ldx, out ptr, out code, ldo, positions, lead)."""
+    axes (less out's last ``xdrop``: see `run_batch`).  Returns (x keep-alive, x ptr, x code, ldx,
+    out ptr, out code, ldo, out positions, out's leading shape)."""
     shape = arrays.batched_shape(out, rows, "out")
     op, oc, n, ldo = arrays.check_out(out, shape, shown=f"(..., {rows})", batched=True)
     lead = shape[:-1]
-    keep, xp, xc, ldx = arrays.check_x(x, out, lead + (cols,), batched=True, lead_of=shape)
+    keep, xp, xc, ldx = arrays.check_x(x, out, lead[:len(lead) - xdrop] + (cols,), batched=True,
+                                       lead_of=shape)
     return keep, xp, xc, ldx, op, oc, ldo, n, lead
 
 

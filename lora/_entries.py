@@ -8,10 +8,14 @@ see *kernel entries*: ranges of C deltas applied in order, each delta with its e
 The protocol an entry type implements (and registers with `entry_type`):
 
 - ``base_shape``: ``(rows, cols)`` of the base every member fits, or None while it holds none;
+- ``expert_shape`` (optional, for a kind that routes): ``(n_experts, rows, cols)``; entries of
+  one table agree on it as on ``base_shape`` (a plain entry has none, so the two kinds never
+  share a table);
 - ``_kernel_entries()``: a tuple of kernel entries, each a tuple of `Member` (pointer, scale
   object, alpha factor, owner, per-member extra).  A delta or a stack gives one kernel entry;
   a kind that routes within an entry (experts: one kernel entry per expert) gives several, and
-  its table is built with ``routed=True``, where ``starts[i]`` is entry i's first kernel entry;
+  its table is built with ``routed=True``, where ``starts[i]`` is entry i's first kernel entry
+  (``starts_c``: the same as a C array, what `lora.experts` passes to ``lora_apply_experts``);
 - ``_watch(table)`` (optional): an entry that can change after a table holds it (a stack being
   appended to) keeps the tables and sets ``table.stale = True`` on each change.
 
@@ -91,6 +95,12 @@ def _kinds(types):
     return ", ".join(f"a {t.__name__}" for t in types)
 
 
+def _shown(shape, expert_shape):
+    """``[rows x cols]``, or ``E experts of [rows x cols]`` for a routed entry."""
+    plain = f"[{shape[0]} x {shape[1]}]"
+    return plain if expert_shape is None else f"{expert_shape[0]} experts of {plain}"
+
+
 class EntryTable:
     """The C view of a list of entries (see the module docstring): the flat delta pointers,
     where each kernel entry starts, and the effective scales read once per call.  A
@@ -99,13 +109,13 @@ class EntryTable:
     then take kernel-entry ids).
     """
 
-    __slots__ = ("_entries", "_shape", "_what", "_routed", "stale", "members", "ptrs", "first",
-                 "starts", "n_kernel", "_scale_objs", "_scale_idx", "_factors", "_values",
-                 "_scales_c", "_epoch", "__weakref__")
+    __slots__ = ("_entries", "_shape", "_expert_shape", "_what", "_routed", "stale", "members",
+                 "ptrs", "first", "starts", "starts_c", "n_kernel", "_scale_objs", "_scale_idx",
+                 "_factors", "_values", "_scales_c", "_epoch", "__weakref__")
 
     def __init__(self, entries, what="bank entry", *, routed=False):
         self._entries = list(entries)
-        self._shape = None
+        self._shape = self._expert_shape = None
         self._what, self._routed = what, routed
         types = entry_types()
         shape_from = None
@@ -116,12 +126,13 @@ class EntryTable:
             es = e.base_shape if e is not None else None
             if es is None:
                 continue
+            xs = getattr(e, "expert_shape", None)
             if self._shape is None:
-                self._shape, shape_from = es, i
-            elif es != self._shape:
+                self._shape, self._expert_shape, shape_from = es, xs, i
+            elif es != self._shape or xs != self._expert_shape:
                 raise LoraShapeError(
-                    f"{what} {i} is [{es[0]} x {es[1]}] but {what} {shape_from} is "
-                    f"[{self._shape[0]} x {self._shape[1]}]; every entry must fit one base",
+                    f"{what} {i} is {_shown(es, xs)} but {what} {shape_from} is "
+                    f"{_shown(self._shape, self._expert_shape)}; every entry must fit one base",
                     rows=es[0], cols=es[1])
         for e in self._entries:
             watch = getattr(e, "_watch", None)
@@ -140,7 +151,7 @@ class EntryTable:
             es = e.base_shape
             if es is not None:
                 if self._shape is None:
-                    self._shape = es
+                    self._shape, self._expert_shape = es, getattr(e, "expert_shape", None)
                 if es != self._shape:
                     raise LoraShapeError(
                         f"entry {i} now holds a [{es[0]} x {es[1]}] delta but the base is "
@@ -167,6 +178,7 @@ class EntryTable:
         self.first = ffi.new("int64_t[]", first)
         self.n_kernel = len(first) - 1
         self.starts = np.array(starts, np.int64)
+        self.starts_c = ffi.new("int64_t[]", starts)
         self._values = None
         self._epoch = None
         self.stale = False
@@ -176,6 +188,20 @@ class EntryTable:
         if self.stale:
             self._rebuild()
         return self._shape
+
+    @property
+    def expert_shape(self):
+        """(n_experts, rows, cols) when the entries are experts, else None."""
+        if self.stale:
+            self._rebuild()
+        return self._expert_shape
+
+    def plain(self, method):
+        """TypeError for a plain apply `method` on a table of experts (their calls route)."""
+        if self._expert_shape is not None:
+            raise TypeError(f"the {self._what}s hold routed experts "
+                            f"{_shown(self._shape, self._expert_shape)}: call add_experts_to "
+                            f"(with expert ids) rather than {method}")
 
     @property
     def n_entries(self):
@@ -250,6 +276,8 @@ class EntryTable:
         (None: entry 0 everywhere), its scales times scales[b] (None: 1).  Returns out."""
         if self.stale:
             self._rebuild()
+        if self._expert_shape is not None:
+            self.plain("add_batch_to")
         shape = self._shape
         status = None
         if (type(x) is ndarray and type(out) is ndarray
@@ -306,6 +334,8 @@ class EntryTable:
         """The embedding-row gather for these entries; as apply_batch."""
         if self.stale:
             self._rebuild()
+        if self._expert_shape is not None:
+            self.plain("add_rows_to")
         shape = self._shape
         if shape is None:
             return self._shapeless_rows(tok_ids, out, adapter_ids, scales)

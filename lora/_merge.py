@@ -90,11 +90,13 @@ def _product_at(left, right, i, j):
     return float(t)
 
 
-def merge_(w, terms, rows, cols):
+def merge_(w, terms, rows, cols, *, check=True, write=True):
     """w += sum of sign * s * B @ A over (delta, sign) terms, in one C pass over w: each product
     formed in float64 over the rank in order, the terms added in order, rounded once into w's
     dtype.  Nothing is written unless no element can overflow: a bound from max |w| and the
-    factors proves it, or a checking sweep finds none."""
+    factors proves it, or a checking sweep finds none.  ``write=False`` only checks (raising as
+    a merge would); ``check=False`` writes after such a check of the same w and terms (several
+    merges that must all pass before any writes: the experts of one weight)."""
     arr, code = _w_array(w, rows, cols)
     live = []
     for d, sign in terms:
@@ -137,9 +139,10 @@ def merge_(w, terms, rows, cols):
     ranks = ffi.new("int64_t[]", [m.shape[1] for m in lefts])
     sc = ffi.new("double[]", scales)
     first_bad = ffi.new("int64_t *")
-    for write in ((1,) if safe else (0, 1)):
+    passes = ((0,) if check and not safe else ()) + ((1,) if write else ())
+    for sweep in passes:
         status = lib.lora_merge(ptr, code, n_cols, n_rows, n_cols, len(scales), ap, bp, ranks,
-                                sc, write, first_bad)
+                                sc, sweep, first_bad)
         if status != lib.LORA_OK:
             arrays.raise_status(status)
         bad = first_bad[0]
@@ -152,6 +155,8 @@ def merge_(w, terms, rows, cols):
             verb = "unmerging from" if all(sg < 0 for _, sg in terms) else "merging into"
             raise ValueError(f"{verb} w overflows its dtype {name} at [{i}, {j}]: {acc:.9g} "
                              f"(largest finite: {dtypes.LARGEST[name]:.9g}); w is left untouched")
+    if not write:
+        return w
     if target is not base:
         base[...] = target
     if arrays.is_tensor(w):  # an in-place update, as torch's own ops record it

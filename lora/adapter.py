@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _dtypes as dtypes
 from .delta import LoraDelta, peft_delta
+from .experts import LoraExperts
 from .errors import LoraFormatError, LoraShapeError
 from .scale import F32_OVERFLOW, LoraScale
 
@@ -94,7 +95,8 @@ def llama_rope_permutation(n, heads):
 
 
 class LoraAdapter(Mapping):
-    """One loaded adapter: a read-only Mapping from the file's own base names to `LoraDelta`.
+    """One loaded adapter: a read-only Mapping from the file's own base names to `LoraDelta` (or
+    `LoraExperts`, for the routed experts of a mixture-of-experts layer).
 
     Keys are PEFT module paths (``"model.layers.0.self_attn.q_proj"``, without PEFT's
     ``base_model.model.`` prefix) or GGUF base tensor names (``"blk.0.attn_q.weight"``), in file
@@ -121,8 +123,9 @@ class LoraAdapter(Mapping):
         for key, delta in items.items():
             if not isinstance(key, str):
                 raise TypeError(f"adapter target names must be str, got {key!r}")
-            if not isinstance(delta, LoraDelta):
-                raise TypeError(f"target {key!r}: expected a LoraDelta, got {type(delta).__name__}")
+            if not isinstance(delta, (LoraDelta, LoraExperts)):
+                raise TypeError(f"target {key!r}: expected a LoraDelta or LoraExperts, got "
+                                f"{type(delta).__name__}")
             if delta.scale is not scale:
                 raise ValueError(f"target {key!r}: every delta of an adapter must share its LoraScale")
         self._deltas = items
@@ -182,10 +185,11 @@ class LoraAdapter(Mapping):
         adapter does not target are ignored.  Returns None.
         """
         for key, delta in self._deltas.items():
-            want = (delta.rows, delta.cols)
+            want = getattr(delta, "expert_shape", None) or (delta.rows, delta.cols)
+            what = "experts" if len(want) == 3 else "delta"
             if key not in shapes:
                 raise LoraShapeError(
-                    f"adapter target '{key}' [{want[0]} x {want[1]}] is missing from the base shapes",
+                    f"adapter target '{key}' {_dims(want)} is missing from the base shapes",
                     rows=delta.rows, cols=delta.cols, rank=delta.rank)
             given = shapes[key]
             given = getattr(given, "shape", given)
@@ -194,11 +198,11 @@ class LoraAdapter(Mapping):
             except (TypeError, ValueError):
                 got = None
             if got != want:
-                shown = f"[{got[0]} x {got[1]}]" if got is not None and len(got) == 2 else repr(given)
+                shown = _dims(got) if got is not None and len(got) in (2, 3) else repr(given)
+                layout = "(n_experts x rows x cols)" if what == "experts" else "(rows x cols)"
                 raise LoraShapeError(
-                    f"tensor '{key}': the adapter's delta is [{want[0]} x {want[1]}] "
-                    f"(rows x cols) but the base is {shown}",
-                    rows=delta.rows, cols=delta.cols, rank=delta.rank)
+                    f"tensor '{key}': the adapter's {what} {_dims(want)} {layout} but the base "
+                    f"is {shown}", rows=delta.rows, cols=delta.cols, rank=delta.rank)
 
     @property
     def invocation_tokens(self):
@@ -303,13 +307,19 @@ class LoraAdapter(Mapping):
                 f"resident_bytes={self.resident_bytes}{alora})")
 
 
+def _dims(shape):
+    """``[3 x 4]`` or ``[8 x 3 x 4]``."""
+    return "[" + " x ".join(str(v) for v in shape) + "]"
+
+
 # --------------------------------------------------------------------------------------------
 # the build phase, shared by the PEFT and GGUF loaders
 # --------------------------------------------------------------------------------------------
 
 
 class Pair:
-    """One validated target in our layout, before it becomes a `LoraDelta`."""
+    """One validated target in our layout, before it becomes a `LoraDelta` (2-D factors) or a
+    `LoraExperts` (3-D: a [E, rank, cols], b [E, rows, rank])."""
 
     __slots__ = ("name", "a", "b", "alpha", "rslora", "zero_alpha", "storage", "tensors")
 
@@ -384,9 +394,15 @@ def build_adapter(pairs, *, path, name, alpha, scale, dtype, invocation_tokens=N
             # Overflow into a narrower storage dtype is refused below (the core raises
             # ValueError); NumPy's cast warning on the way there would only repeat it.
             with np.errstate(over="ignore"):
-                make = peft_delta if p.zero_alpha else LoraDelta
-                delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
-                             dtype=storage)
+                if p.a.ndim == 3:  # routed experts: a [E, rank, cols], b [E, rows, rank]
+                    delta = LoraExperts(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                                        dtype=storage)
+                    if p.zero_alpha and delta.alpha == 0:
+                        delta._zero_alpha()
+                else:
+                    make = peft_delta if p.zero_alpha else LoraDelta
+                    delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                                 dtype=storage)
         except NotImplementedError:
             raise
         except (ValueError, TypeError) as exc:

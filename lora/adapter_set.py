@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import _arrays as arrays
+from . import experts as _experts
 from .bank import need_ids
 from ._entries import EntryTable, entry_types, owners
 from .errors import LoraShapeError
@@ -27,16 +28,17 @@ class _Snapshot:
     """One instant of a set: the slots (None = free) and, built on first use, one EntryTable per
     target.  Never changed after publication except for that cache."""
 
-    __slots__ = ("slots", "index", "shapes", "free", "has_free", "_tables")
+    __slots__ = ("slots", "index", "shapes", "expert_shapes", "free", "has_free", "_tables")
 
     def __init__(self, slots):
         self.slots = tuple(slots)
         self.index = {s[0]: i for i, s in enumerate(self.slots) if s is not None}
-        self.shapes = {}
+        self.shapes, self.expert_shapes = {}, {}
         for s in self.slots:
             if s is not None:
                 for target, entry in s[1].items():
                     self.shapes.setdefault(target, entry.base_shape)
+                    self.expert_shapes.setdefault(target, getattr(entry, "expert_shape", None))
         free = [i for i, s in enumerate(self.slots) if s is None]
         self.free = np.zeros(len(self.slots), bool)
         self.free[free] = True
@@ -48,7 +50,7 @@ class _Snapshot:
         if table is None:
             entries = [None if s is None else s[1].get(target) for s in self.slots]
             # concurrent builders of one target build equal tables; either may win
-            table = self._tables.setdefault(target, EntryTable(entries, "slot"))
+            table = self._tables.setdefault(target, EntryTable(entries, "slot", routed=True))
         return table
 
 
@@ -63,7 +65,7 @@ def _check_adapter(name, adapter):
     for target, entry in adapter.items():
         if not isinstance(entry, entry_types()):
             raise TypeError(f"adapter {name!r}: {target!r} maps to a "
-                            f"{type(entry).__name__}, not a LoraDelta")
+                            f"{type(entry).__name__}, not a LoraDelta or LoraExperts")
 
 
 class AdapterSet:
@@ -80,12 +82,14 @@ class AdapterSet:
     - ``len``, ``in``, iteration (names), ``s[name]`` (the adapter), ``.names`` (slot order),
       ``.targets`` (base names any adapter targets), ``.resident_bytes``.
     - ``bank(target)``: a live bank for one base name, with ``add_batch_to(x, out,
-      adapter_ids, scales=None)``, ``add_rows_to(ids, out, adapter_ids, scales=None)`` and
-      ``base_shape`` (see ``LoraBank``); adapter ids are slot ids.  A slot whose adapter does
+      adapter_ids, scales=None)``, ``add_rows_to(ids, out, adapter_ids, scales=None)``,
+      ``add_experts_to(x, out, adapter_ids, expert_ids, scales=None)`` (a MoE target, whose
+      adapters map it to `LoraExperts`), ``base_shape`` and ``expert_shape`` (see
+      ``LoraBank``); adapter ids are slot ids.  A slot whose adapter does
       not target that base adds nothing there; a free slot used as an id is an ``IndexError``.
 
-    Every adapter that targets one base name must agree on its ``(rows, cols)``: ``add`` and
-    ``replace`` refuse one that does not with a ``LoraShapeError`` naming the adapter, the
+    Every adapter that targets one base name must agree on its ``(rows, cols)`` (and, for
+    experts, on ``expert_shape``): ``add`` and ``replace`` refuse one that does not with a ``LoraShapeError`` naming the adapter, the
     target and both shapes, and leave the set unchanged.  Changes are serialised and may run
     while other threads are inside bank calls: each call uses the set as it was at one instant,
     and an adapter's memory stays valid until every call that uses it has returned.
@@ -104,16 +108,16 @@ class AdapterSet:
     # ------------------------------------------------------------------ changes
     def _agree(self, snap, name, adapter, skip_slot=None):
         for target, entry in adapter.items():
-            want = entry.base_shape
+            want = _shape_of(entry)
             for i, s in enumerate(snap.slots):
                 if s is None or i == skip_slot or target not in s[1]:
                     continue
-                have = s[1][target].base_shape
+                have = _shape_of(s[1][target])
                 if want is not None and have is not None and have != want:
                     raise LoraShapeError(
-                        f"adapter {name!r} has {target!r} as [{want[0]} x {want[1]}] but adapter "
-                        f"{s[0]!r} in this set has it as [{have[0]} x {have[1]}]; every adapter "
-                        f"on one base must agree", rows=want[0], cols=want[1])
+                        f"adapter {name!r} has {target!r} as {_shown(want)} but adapter "
+                        f"{s[0]!r} in this set has it as {_shown(have)}; every adapter on one "
+                        f"base must agree", rows=want[-2], cols=want[-1])
 
     def add(self, name, adapter):
         """Add ``adapter`` as ``name`` in the lowest free slot; returns the slot id."""
@@ -260,6 +264,37 @@ class _SetBank:
             _no_free_slot(snap, adapter_ids)
         table = snap._tables.get(self._target) or snap.table(self._target)
         return table.apply_rows(ids, out, adapter_ids, scales)
+
+    @property
+    def expert_shape(self):
+        """(n_experts, rows, cols) of a MoE target's experts; None for a plain target, or while
+        no adapter targets it."""
+        return self._set._snap.expert_shapes.get(self._target)
+
+    def add_experts_to(self, x, out, adapter_ids, expert_ids, scales=None):
+        """As ``LoraBank.add_experts_to``, with the set's slot ids as adapter ids."""
+        need_ids(adapter_ids)
+        snap = self._set._snap
+        if snap.has_free:
+            _no_free_slot(snap, adapter_ids)
+        table = snap._tables.get(self._target) or snap.table(self._target)
+        if table.base_shape is not None and table.expert_shape is None:
+            raise TypeError(f"add_experts_to needs a MoE target; {self._target!r} holds plain "
+                            f"deltas (use add_batch_to)")
+        return _experts.apply_experts(table, x, out, expert_ids, adapter_ids, scales)
+
+
+def _shape_of(entry):
+    """What adapters on one target must agree on: (rows, cols), or (n_experts, rows, cols) for
+    experts; None for an entry without a shape (an empty stack)."""
+    if entry.base_shape is None:
+        return None
+    return getattr(entry, "expert_shape", None) or entry.base_shape
+
+
+def _shown(shape):
+    plain = f"[{shape[-2]} x {shape[-1]}]"
+    return plain if len(shape) == 2 else f"{shape[0]} experts of {plain}"
 
 
 def _no_free_slot(snap, adapter_ids):

@@ -1,5 +1,6 @@
 """`LoraBank`: a different adapter for every position of one batch (BGMV/SGMV on the CPU)."""
 
+from . import experts as _experts
 from ._entries import EntryTable
 
 __all__ = ["LoraBank"]
@@ -10,7 +11,8 @@ class LoraBank:
 
     ``LoraBank(entries)``: each entry a ``LoraDelta``, a ``LoraStack`` or ``None`` (no adapter),
     all of one ``rows x cols`` (else ``LoraShapeError`` naming the entry and both shapes); ranks and
-    storage dtypes may differ.  ``len``, ``bank[i]``, ``.resident_bytes``.
+    storage dtypes may differ.  ``len``, ``bank[i]``, ``.resident_bytes``.  Or a bank of
+    `LoraExperts` (and ``None``) of one ``expert_shape``, for `add_experts_to`.
 
     One C call per batch: positions are grouped by adapter (a counting sort, punica's SGMV idea)
     so each adapter's weights stream once per block of positions, threads take blocks, and every
@@ -23,7 +25,7 @@ class LoraBank:
     __slots__ = ("_table",)
 
     def __init__(self, entries):
-        self._table = EntryTable(entries, "bank entry")
+        self._table = EntryTable(entries, "bank entry", routed=True)
 
     def __len__(self):
         return self._table.n_entries
@@ -41,6 +43,11 @@ class LoraBank:
     def base_shape(self):
         """(rows, cols) shared by every entry; None when no entry holds a delta."""
         return self._table.base_shape
+
+    @property
+    def expert_shape(self):
+        """(n_experts, rows, cols) when the entries are `LoraExperts`, else None."""
+        return self._table.expert_shape
 
     @property
     def resident_bytes(self):
@@ -75,6 +82,33 @@ class LoraBank:
         """
         need_ids(adapter_ids)
         return self._table.apply_rows(ids, out, adapter_ids, scales)
+
+
+    def add_experts_to(self, x, out, adapter_ids, expert_ids, scales=None):
+        """A bank of `LoraExperts`: slot ``j`` of token ``t`` (``out[..., t, j, :]``) gets expert
+        ``expert_ids[..., t, j]`` of entry ``adapter_ids[...]``, times ``scales[...]``; returns
+        ``out``.
+
+        ``x``, ``out`` and ``expert_ids`` as `LoraExperts.add_to` (either routing form).
+        ``adapter_ids`` (and ``scales``, of the same shape): per token, ``expert_ids.shape[:-1]``
+        or a prefix of it repeated over the remaining axes (``[batch]`` ids for a ``[batch, seq,
+        k]`` routing), or per slot, ``expert_ids.shape`` (the flattened forms); ``-1`` (or a
+        None entry) means no adapter, ``-1`` in ``expert_ids`` no expert.  Scales as
+        `add_batch_to`'s.  Each row is bit-identical to its entry alone (with its LoraScale set
+        to ``value * scales[...]`` when the alpha factor is 1).  Every id and scale is checked
+        before anything is written (IndexError naming an expert or adapter id and its position,
+        ValueError for shapes and scales); ``TypeError`` when the entries are not experts.
+        """
+        need_ids(adapter_ids)
+        return _experts.apply_experts(self._experts_table(), x, out, expert_ids, adapter_ids,
+                                      scales)
+
+    def _experts_table(self):
+        table = self._table
+        if table.base_shape is not None and table.expert_shape is None:
+            raise TypeError("add_experts_to needs a bank of LoraExperts entries; these entries "
+                            "are plain deltas (use add_batch_to)")
+        return table
 
 
 def need_ids(adapter_ids):

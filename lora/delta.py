@@ -36,6 +36,24 @@ def alpha_factor(alpha, rank, rslora):
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
+def check_alpha(alpha, rslora):
+    """``alpha`` as a finite float (TypeError for a non-real one, ValueError for inf / NaN), and
+    ``rslora`` a bool (TypeError otherwise)."""
+    if isinstance(alpha, (str, bytes, bool, np.bool_)):
+        raise TypeError(f"alpha must be a real number; got {alpha!r}")
+    if not isinstance(rslora, (bool, np.bool_)):
+        raise TypeError(f"rslora must be True or False; got {rslora!r}")
+    try:
+        alpha = float(alpha)
+    except OverflowError:
+        raise ValueError(f"alpha must be finite; got {alpha!r}") from None
+    except (TypeError, ValueError):
+        raise TypeError(f"alpha must be a real number; got {alpha!r}") from None
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha must be finite; got {alpha}")
+    return alpha
+
+
 def _int_arg(value, what):
     """An integer argument: an int or NumPy integer (not bool, float or str); TypeError else."""
     if isinstance(value, (bool, np.bool_)):
@@ -169,20 +187,23 @@ class LoraDelta:
         self._keep = keep
         return self
 
+    @classmethod
+    def _adopt(cls, ptr, rank, rows, cols, *, alpha, rslora, dtype, scale, alpha_factor):
+        """A delta around a C delta made elsewhere, which it now owns (package-internal:
+        `LoraExperts` packs its experts' storage in one pass and hands each expert over)."""
+        self = cls.__new__(cls)
+        self._ptr = ffi.gc(ptr, lib.lora_delta_free)
+        self._rank, self._rows, self._cols = rank, rows, cols
+        self._alpha, self._rslora, self._dtype = alpha, rslora, dtype
+        self._scale = scale
+        self._alpha_factor = alpha_factor
+        self._xshape, self._oshape = (cols,), (rows,)
+        self._keep = None
+        return self
+
     def _init(self, a, b, rank, rows, cols, alpha, scale, rslora, dtype):
         name = dtypes.storage_name(dtype)
-        if isinstance(alpha, (str, bytes, bool, np.bool_)):
-            raise TypeError(f"alpha must be a real number; got {alpha!r}")
-        if not isinstance(rslora, (bool, np.bool_)):
-            raise TypeError(f"rslora must be True or False; got {rslora!r}")
-        try:
-            alpha = float(alpha)
-        except OverflowError:
-            raise ValueError(f"alpha must be finite; got {alpha!r}") from None
-        except (TypeError, ValueError):
-            raise TypeError(f"alpha must be a real number; got {alpha!r}") from None
-        if not math.isfinite(alpha):
-            raise ValueError(f"alpha must be finite; got {alpha}")
+        alpha = check_alpha(alpha, rslora)
         if not isinstance(scale, LoraScale):
             scale = LoraScale(scale)
         a_bits = dtypes.to_storage(a, name, "lora_a")
