@@ -1,4 +1,5 @@
-"""``python -m lora info | inspect PATH``: kernel info, and an adapter file's summary.
+"""``python -m lora info | inspect PATH``: kernel info, and an adapter file's summary (with an
+``experts`` column when the adapter holds routed experts).
 
 Exit status 0 on success, 2 on a bad file or argument, with a one-line error on stderr.
 """
@@ -52,13 +53,19 @@ def _inspect(args, out):
     load = lora.load_gguf if fmt == "GGUF" else lora.load_peft
     adapter = load(args.path, scale=args.scale, dtype=args.dtype)
 
+    n_experts = {name: getattr(d, "n_experts", None) for name, d in adapter.items()}
+    routed = sum(n is not None for n in n_experts.values())
     rows = [(name, f"{d.rows} x {d.cols}", str(d.rank), f"{d.alpha:g}", f"{d.effective_scale:g}",
              d.dtype, str(d.resident_bytes)) for name, d in adapter.items()]
     head = ("target", "rows x cols", "rank", "alpha", "eff.scale", "dtype", "bytes")
+    left = (0, 5)
+    if routed:  # routed experts (a mixture of experts' 3-D weights): their count, per target
+        rows = [r[:1] + (str(n_experts[r[0]] or "-"),) + r[1:] for r in rows]
+        head, left = head[:1] + ("experts",) + head[1:], (0, 6)
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
 
     def line(cells):
-        return "  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w)
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     alora = "" if adapter.invocation_tokens is None else \
@@ -68,9 +75,11 @@ def _inspect(args, out):
     print(line(head), file=out)
     for r in rows:
         print(line(r), file=out)
-    params = sum(d.rank * (d.rows + d.cols) for d in adapter.values())
-    print(f"total: {len(adapter)} targets, {params} parameters, {adapter.resident_bytes} bytes "
-          f"({adapter.resident_bytes / 2**20:.2f} MiB)", file=out)
+    params = sum((n_experts[name] or 1) * d.rank * (d.rows + d.cols)
+                 for name, d in adapter.items())
+    of = f" ({routed} of them routed experts)" if routed else ""
+    print(f"total: {len(adapter)} targets{of}, {params} parameters, {adapter.resident_bytes} "
+          f"bytes ({adapter.resident_bytes / 2**20:.2f} MiB)", file=out)
 
 
 def main(argv=None, out=None, err=None):

@@ -3,6 +3,7 @@
 
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -13,6 +14,10 @@ from .adapter import (Pair, build_adapter, check_finite, format_error, pair_stor
 from .errors import LoraFormatError
 
 __all__ = ["load_gguf"]
+
+# llama.cpp's routed-experts tensors (gguf-py constants: FFN_{GATE,UP,DOWN,GATE_UP}_EXP), whose
+# LoRA factors are 3-D and are read as LoraExperts
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_(?:gate|up|down|gate_up)_exps\.weight")
 
 
 def is_gguf_file(path):
@@ -164,7 +169,11 @@ def load_gguf(path, *, scale=1.0, dtype=None):
     ``ne = [r, n_out]`` are A ``[r, n_in]`` and B ``[n_out, r]`` as stored.  ``token_embd.weight``
     is flipped upstream: ``lora_a`` ``ne = [r, n_vocab]`` is the per-token table and becomes B
     ``[n_vocab, r]``, ``lora_b`` ``ne = [r, n_embd]`` becomes A ``[r, n_embd]`` (transposed), so
-    token ``t``'s delta is row ``t`` of ``s * B @ A``.  An activated LoRA's
+    token ``t``'s delta is row ``t`` of ``s * B @ A``.  Routed experts
+    (``blk.N.ffn_{gate,up,down,gate_up}_exps.weight``, llama.cpp's ``build_lora_mm_id``):
+    ``lora_a`` ``ne = [n_in, r, n_expert]`` and ``lora_b`` ``ne = [r, n_out, n_expert]`` are
+    A ``[E, r, n_in]`` and B ``[E, n_out, r]`` as stored, a `LoraExperts`; a 3-D pair on any
+    other tensor is refused naming it and its ``ne``.  An activated LoRA's
     ``adapter.alora.invocation_tokens`` (UINT32 array) becomes `LoraAdapter.invocation_tokens`.
 
     Scale (llama.cpp ``get_scale``): ``scale * alpha / rank``, or ``scale`` when alpha is 0.
@@ -237,12 +246,22 @@ def load_gguf(path, *, scale=1.0, dtype=None):
             raise format_error(p, f"tensor type {t.tensor_type.name} is not supported "
                          "(want F32, F16, BF16, Q8_0 or F64)", tensor=t.name)
         ne = [int(n) for n in t.shape]
+        dims = 3 if _EXPERTS.fullmatch(base) else 2
+        if dims == 3:
+            # a routed-experts tensor (build_lora_mm_id): ne [n_in, r, n_expert] / [r, n_out,
+            # n_expert], trailing dimensions of 1 allowed past the third
+            if len(ne) < 3 or any(n != 1 for n in ne[3:]):
+                raise format_error(p, f"has ne {ne}; a LoRA factor of the expert tensor '{base}' "
+                                   "is 3-D (lora_a ne [n_in, r, n_expert], lora_b ne [r, n_out, "
+                                   "n_expert])", tensor=t.name)
         # llama.cpp compares ne[0] and ne[1] only, so trailing dimensions of 1 (ne [n, r, 1])
         # are the 2-D factor they hold; any other extra dimension is not a LoRA factor.
-        if len(ne) < 2 or any(n != 1 for n in ne[2:]):
+        elif len(ne) < 2 or any(n != 1 for n in ne[2:]):
             raise format_error(p, f"has ne {ne}; a LoRA factor is 2-D (ne [n, r], or with "
-                               "trailing dimensions of 1 only)", tensor=t.name)
-        if 0 in ne[:2]:
+                               "trailing dimensions of 1 only; 3-D factors belong to the expert "
+                               "tensors blk.N.ffn_{gate,up,down,gate_up}_exps.weight)",
+                               tensor=t.name)
+        if 0 in ne[:dims]:
             raise format_error(p, f"has an empty shape, ne {ne}", tensor=t.name)
         if base not in halves:
             halves[base] = {}
@@ -260,6 +279,14 @@ def load_gguf(path, *, scale=1.0, dtype=None):
                 raise format_error(p, f"pair for '{base}' is missing its .lora_{half} half",
                              tensor=h[other].name)
         ta, tb = h["a"], h["b"]
+        if _EXPERTS.fullmatch(base):
+            ne_a, ne_b = [int(n) for n in ta.shape[:3]], [int(n) for n in tb.shape[:3]]
+            if ne_a[1] != ne_b[0] or ne_a[2] != ne_b[2]:
+                raise format_error(p, f"shapes do not pair: lora_a ne {ne_a} and lora_b ne "
+                                   f"{ne_b} (want ne [n_in, r, n_expert] and [r, n_out, "
+                                   f"n_expert]: one rank, one expert count)", tensor=ta.name)
+            plan.append((base, ta, tb, None))  # embd None: routed experts
+            continue
         ne_a, ne_b = [int(n) for n in ta.shape[:2]], [int(n) for n in tb.shape[:2]]
         # Rank is lora_b's ne[0] everywhere.  Linear: lora_a ne [n_in, r]; token_embd: lora_a
         # ne [r, n_vocab] (llama.cpp's is_token_embd test: the name ends in token_embd.weight).
@@ -275,9 +302,11 @@ def load_gguf(path, *, scale=1.0, dtype=None):
     for base, ta, tb, embd in plan:
         arrays = []
         for t in (ta, tb):
+            # numpy shape [ne[1], ne[0]] (experts: [ne[2], ne[1], ne[0]]): drops the trailing
+            # unit dimensions checked above
+            shape = [int(n) for n in t.shape[:2 if embd is not None else 3]][::-1]
             try:
-                # numpy shape [ne[1], ne[0]]: drops the trailing unit dimensions checked above
-                arr = _gguf_array(t, p).reshape(int(t.shape[1]), int(t.shape[0]))
+                arr = _gguf_array(t, p).reshape(shape)
             except LoraFormatError:
                 raise
             except Exception as exc:

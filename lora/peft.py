@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _dtypes as dtypes
+from . import _peft_experts as _experts
 from .adapter import (Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg,
                       storage_arg)
 from .gguf import is_gguf_file
@@ -32,7 +33,6 @@ _PEFT_REFUSED = {
     "use_qalora": "QA-LoRA pools the input before lora_A; not a plain LoRA delta",
     "use_bdlora": "BD-LoRA (use_bdlora) is not a plain LoRA delta",
     "arrow_config": "Arrow routes each token among several LoRA experts; not one plain delta",
-    "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
     "modules_to_save": "modules_to_save stores fully fine-tuned modules, not LoRA deltas",
     "trainable_token_indices": "trainable tokens store replaced embedding rows, not LoRA deltas",
     "layer_replication": "layer_replication changes the base model's layer layout",
@@ -150,6 +150,7 @@ def _peft_config(cfg_path):
         "alpha_pattern": pattern("alpha_pattern", integer=False),
         "target_modules": targets,
         "alora_invocation_tokens": _peft_invocation_tokens(cfg_path, cfg),
+        "target_parameters": _experts.target_parameters(cfg_path, cfg),
     }
 
 
@@ -220,7 +221,7 @@ def _refuse_a_non_adapter(weights_path, cfg_path):
                            "there is no adapter_config.json beside it")
 
 
-def _peft_parse(weights_path, cfg_path):
+def _peft_parse(weights_path, cfg_path, shapes=None):
     from safetensors import safe_open
 
     _refuse_a_non_adapter(weights_path, cfg_path)
@@ -275,6 +276,9 @@ def _peft_parse(weights_path, cfg_path):
 
     if not order:
         raise format_error(weights_path, "not a LoRA adapter: the file holds no lora_A/lora_B tensors")
+    # LoRA on raw parameters (target_parameters: the experts of MoE layers), resolved apart
+    order, params = _experts.take_param_targets(weights_path, cfg_path, cfg, halves, kinds, order,
+                                                shapes, _peft_pattern_key)
 
     # Pairing, ranks and scales for every module before any value is read.
     plan = []
@@ -313,19 +317,7 @@ def _peft_parse(weights_path, cfg_path):
         raise format_error(weights_path, f"not a readable safetensors file: {exc}") from exc
     with fh_cm as fh:
         for module, ka, kb, alpha in plan:
-            arrays = []
-            for key in (ka, kb):
-                try:
-                    arr = fh.get_tensor(key)
-                except Exception as exc:
-                    raise format_error(weights_path, f"cannot be read: {exc}", tensor=key) from exc
-                check_finite(weights_path, key, arr)
-                if arr.dtype == np.float64:
-                    if np.abs(arr).max() > np.finfo(np.float32).max:
-                        raise format_error(weights_path, "F64 values overflow float32", tensor=key)
-                    arr = arr.astype(np.float32)
-                arrays.append(arr)
-            a, b = arrays
+            a, b = _read_pair(fh, weights_path, ka, kb)
             if kinds[module] == "embedding":
                 # Base = the embedding table [vocab, dim]; token t's delta is s * A[:, t] @ B.T
                 # (PEFT Embedding: F.embedding(x, A.T) @ B.T), i.e. row t of s * A.T @ B.T.
@@ -333,7 +325,30 @@ def _peft_parse(weights_path, cfg_path):
             storage = pair_storage(_np_storage(a.dtype), _np_storage(b.dtype))
             pairs.append(Pair(module, a, b, alpha=alpha, rslora=cfg["use_rslora"],
                                zero_alpha=(alpha == 0.0), storage=storage, tensors=(ka, kb)))
-    return cfg, pairs, _unmatched_pattern_keys(cfg, order)
+        for p in params:
+            a, b = _read_pair(fh, weights_path, p.ka, p.kb)
+            storage = pair_storage(_np_storage(a.dtype), _np_storage(b.dtype))
+            pairs.append(_experts.param_pair(p, a, b, rslora=cfg["use_rslora"], storage=storage))
+    where = {key: i for i, (key, _, _) in enumerate(headers)}
+    pairs.sort(key=lambda p: min(where[k] for k in p.tensors))  # file order, both kinds mixed
+    return cfg, pairs, _unmatched_pattern_keys(cfg, order + [p.name for p in params])
+
+
+def _read_pair(fh, weights_path, ka, kb):
+    """The two factors' values: read, checked finite, F64 narrowed to float32."""
+    arrays = []
+    for key in (ka, kb):
+        try:
+            arr = fh.get_tensor(key)
+        except Exception as exc:
+            raise format_error(weights_path, f"cannot be read: {exc}", tensor=key) from exc
+        check_finite(weights_path, key, arr)
+        if arr.dtype == np.float64:
+            if np.abs(arr).max() > np.finfo(np.float32).max:
+                raise format_error(weights_path, "F64 values overflow float32", tensor=key)
+            arr = arr.astype(np.float32)
+        arrays.append(arr)
+    return arrays
 
 
 def _unmatched_pattern_keys(cfg, modules):
@@ -350,7 +365,7 @@ def _np_storage(dt):
     return dtypes.NAME_OF[code]
 
 
-def load_peft(path, *, scale=1.0, dtype=None):
+def load_peft(path, *, scale=1.0, dtype=None, base=None):
     """Load a Hugging Face PEFT LoRA adapter.
 
     ``path`` is the adapter directory or its ``adapter_model.safetensors`` (the
@@ -362,6 +377,20 @@ def load_peft(path, *, scale=1.0, dtype=None):
     ``*.base_layer.weight`` copies are skipped.  ``fan_in_fan_out`` changes nothing here: A and B
     are used as stored, and the base is merged through its transposed view.  An activated LoRA's
     ``alora_invocation_tokens`` becomes `LoraAdapter.invocation_tokens` (see ``alora_mask``).
+
+    LoRA on raw parameters (``target_parameters``, PEFT's ``ParamWrapper``: the 3-D expert
+    weights of mixture-of-experts layers): each targeted parameter becomes a `LoraExperts` keyed
+    by the parameter's name (``model.layers.0.mlp.experts.gate_up_proj``), expert ``e``'s pair
+    being ``lora_A[e*r:(e+1)*r]`` and ``lora_B[:, e::E]``, in the base layout ``[n_out, n_in]``
+    of one expert whichever way the model stores its experts; a 2-D parameter becomes a
+    `LoraDelta`.  Several parameters of one module are nested levels whose keys gain one
+    ``base_layer.`` each and do not name the parameter: the levels are resolved by PEFT's
+    nesting rule (the innermost is the module's first registered targeted parameter), the ranks
+    (``r`` / ``rank_pattern`` keyed ``<module>.<parameter>``) and the shapes.  ``base``
+    (optional): the model's parameters, ``{name: array, tensor or shape}`` (a transformers
+    ``state_dict()``; PEFT's ``base_model.model.`` / ``base_layer.`` names are accepted), which
+    decides levels the file leaves ambiguous and is checked against the file: a parameter whose
+    expert count or shape disagrees is a `LoraFormatError` naming both.
 
     Scale (PEFT ``tuners/lora``): ``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``, per
     module after ``rank_pattern`` / ``alpha_pattern`` (first key ``k`` in file order with
@@ -375,16 +404,18 @@ def load_peft(path, *, scale=1.0, dtype=None):
 
     Raises `LoraFormatError` (naming the file and the tensor or config key) for a file that is not
     a LoRA adapter (a random file, or a base model's ``model.safetensors``: no lora_A/lora_B
-    tensors and no config beside it), a missing or unreadable config, ``peft_type`` other than LORA, DoRA, ``lora_bias``, other non-LoRA
+    tensors and no config beside it), nested parameter levels that the file and ``base`` do
+    not resolve, a missing or unreadable config, ``peft_type`` other than LORA, DoRA, ``lora_bias``, other non-LoRA
     options, ``alora_invocation_tokens`` that are not a list of non-negative ints, a truncated or foreign file, an unknown key, a pair missing a half, shapes or ranks
     that do not pair, an unsupported dtype or non-finite values; ``FileNotFoundError`` for a
-    missing path; ``ValueError`` for a bad ``dtype`` or ``scale``.  Nothing is returned unless
-    the whole file is valid.
+    missing path; ``ValueError`` for a bad ``dtype`` or ``scale``, ``TypeError`` for a ``base``
+    that is not such a mapping.  Nothing is returned unless the whole file is valid.
     """
     storage = storage_arg(dtype)
     shared = scale_arg(scale)
+    shapes = _experts.base_shapes(base)
     weights_path, cfg_path, name = _peft_paths(path)
-    cfg, pairs, unmatched = _peft_parse(weights_path, cfg_path)
+    cfg, pairs, unmatched = _peft_parse(weights_path, cfg_path, shapes)
     adapter = build_adapter(pairs, path=weights_path, name=name, alpha=cfg["lora_alpha"],
                             scale=shared, dtype=storage,
                             invocation_tokens=cfg["alora_invocation_tokens"])

@@ -995,8 +995,7 @@ def test_peft_refuses_dora(peft_dir):
 
 
 @pytest.mark.parametrize("key, value", [
-    ("lora_bias", True), ("modules_to_save", ["lm_head"]),
-    ("target_parameters", ["experts.gate_up_proj"]), ("bias", "all"),
+    ("lora_bias", True), ("modules_to_save", ["lm_head"]), ("bias", "all"),
 ])
 def test_peft_refuses_non_lora_options(peft_dir, key, value):
     path = peft_dir(_q_pair(), af.peft_config(**{key: value}))
