@@ -57,6 +57,19 @@ def embedding_pair(rng, module, vocab, dim, rank, *, dtype=np.float32, prefix=Tr
     }
 
 
+def param_levels(rng, module, levels, *, dtype=np.float32, prefix=True):
+    """PEFT ``ParamWrapper`` keys for LoRA on the parameters of one module (``target_parameters``),
+    outermost level first: ``levels`` is ``[(out, in, rank, n_experts)]``; level ``d``'s keys gain
+    ``d`` ``base_layer.`` components (PEFT nests one wrapper per parameter); ``lora_A [r*E, in]``,
+    ``lora_B [out, r*E]``, expert e's pair ``(lora_A[e*r:(e+1)*r], lora_B[:, e::E])``."""
+    tensors = {}
+    for depth, (out, n_in, rank, n_experts) in enumerate(levels):
+        base = (PREFIX if prefix else "") + module + ".base_layer" * depth
+        tensors[f"{base}.lora_A.weight"] = rng.standard_normal((rank * n_experts, n_in)).astype(dtype)
+        tensors[f"{base}.lora_B.weight"] = rng.standard_normal((out, rank * n_experts)).astype(dtype)
+    return tensors
+
+
 def write_peft(directory, tensors, config=None):
     """Write ``adapter_model.safetensors`` and ``adapter_config.json``; returns the directory."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -122,6 +135,17 @@ def gguf_linear(rng, base, rows, cols, rank, qtype=None, dtype=np.float32):
     return [
         (f"{base}.lora_a", rng.standard_normal((rank, cols)).astype(dtype), qtype),
         (f"{base}.lora_b", rng.standard_normal((rows, rank)).astype(dtype), qtype),
+    ]
+
+
+def gguf_experts(rng, base, n_experts, rows, cols, rank, qtype=None, dtype=np.float32):
+    """llama.cpp tensors for one routed-experts base ``[n_experts, rows, cols]`` (a
+    ``blk.N.ffn_*_exps.weight``, ne ``[cols, rows, n_experts]``): lora_a ne ``[cols, rank,
+    n_experts]`` (numpy ``[E, rank, cols]``) and lora_b ne ``[rank, rows, n_experts]`` (numpy
+    ``[E, rows, rank]``), as ``build_lora_mm_id`` reads them."""
+    return [
+        (f"{base}.lora_a", rng.standard_normal((n_experts, rank, cols)).astype(dtype), qtype),
+        (f"{base}.lora_b", rng.standard_normal((n_experts, rows, rank)).astype(dtype), qtype),
     ]
 
 
