@@ -6,15 +6,16 @@
  * one thread or a team), and drivers.c holds the entry points of lora.h,
  * which check their own arguments and tie the two together.
  *
- * A new driver family takes the same path: its entry point in drivers.c, its
- * planner in plan.c filling the same plan (positions in an order, cut into
- * blocks that never straddle two entries: a mixture of experts groups its
- * (token, slot) pairs by expert with plan_bank_'s stable counting sort, its x
- * row shared by a token's slots where the plan's x rows are per position
- * today), and blocks.c unchanged where a block is still "every member of one
- * entry on up to LORA_NB positions".  What one member adds is the kernels'
- * business (lora_term in kernels.h, applied in kernels_strip.h); which
- * members a block skips (a zero scale) is run_block_'s, in blocks.c.
+ * A new driver family takes the same path: its entry point, its planning
+ * into the same plan (positions in an order, cut into blocks that never
+ * straddle two entries), and blocks.c unchanged where a block is still "every
+ * member of one entry on up to LORA_NB positions".  experts.c is one: a
+ * mixture of experts resolves each (token, slot) pair to a kernel entry (its
+ * adapter's expert), lets plan_bank_'s stable counting sort group the pairs
+ * by expert, and reads x row q / x_every for pair q (a token's row shared by
+ * its slots).  What one member adds is the kernels' business (lora_term in
+ * kernels.h, applied in kernels_strip.h); which members a block skips (a zero
+ * scale) is run_block_'s, in blocks.c.
  */
 #ifndef LORA_DRIVERS_H
 #define LORA_DRIVERS_H

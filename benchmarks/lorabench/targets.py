@@ -14,7 +14,7 @@ from .peftmodel import DECODE as PEFT_DECODE
 from .peftmodel import MIXED_NAME as PEFT_MIXED
 from .peftmodel import overheads
 from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, edge_name, gather_name,
-                        halfact_name, prefill_name)
+                        halfact_name, moe_name, prefill_name)
 
 DT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "-": "-"}
 
@@ -214,6 +214,7 @@ class Target:
 
 
 _SWEEP_F32, _SWEEP_BF16 = Rows("sweep", "float32"), Rows("sweep", "bfloat16")
+_MOE_TORCH = ("torch_bmm", "gather_einsum", "torch_group", "torch_grouped_mm")
 _BF16_DECODE = Rows("decode", "bfloat16", decode_name(4096, 4096, 16))
 
 TARGETS = (
@@ -265,6 +266,16 @@ TARGETS = (
            RoofShare(), ">=", 0.75),
     Target("gather n512 f32 share of its roofline", Rows("gather", "float32", gather_name(512)),
            RoofShare(), ">=", 0.75),
+    # routed experts: the best of the PyTorch formulations (torch_bmm, gather_einsum, torch_group,
+    # torch_grouped_mm), the roofline of the routed experts' bytes where bandwidth-bound (decode),
+    # and our dense delta's time per position as the time per routed pair
+    *(t for d in ("float32", "bfloat16") for tok in (1, 512) for proj in ("gate_up", "down") for t in (
+        Target(f"{moe_name(proj, tok)} {DT[d]} vs best torch", Rows("moe", d, moe_name(proj, tok)),
+               FastestOf(_MOE_TORCH), ">=", 3.0, bar="tuned"),
+        Target(f"{moe_name(proj, tok)} {DT[d]} time per pair / dense delta per position",
+               Rows("moe", d, moe_name(proj, tok)), Speedup("dense", inverse=True), "<=", 1.1),
+        *((Target(f"{moe_name(proj, tok)} {DT[d]} share of its roofline", Rows("moe", d, moe_name(proj, tok)),
+                  RoofShare(), ">=", 0.6),) if tok == 1 else ()))),
     Target("import lora, fresh interpreter (ms)", Rows("startup", name="python -c 'import lora'"),
            Milliseconds(), "<=", 150),
     Target("python -m lora info (ms)", Rows("startup", name="python -m lora info"), Milliseconds(), "<=", 300),

@@ -11,6 +11,7 @@ One module per family, each with its names, sizes, builder and bytes / flops mod
 * ``edge``      calls at scale 0: the Python layer's time alone;
 * ``setstep``   one serving step through an ``AdapterSet`` over every projection;
 * ``merge``     ``merge_into`` a torch weight against PyTorch and PEFT;
+* ``moe``       routed experts (``LoraExperts.add_to``) at Qwen3-30B-A3B's expert shapes;
 * ``load``      under load (``benchmarks/oversubscription.py``); the start-up rows are ``startup``.
 
 Shared: ``core`` (records, operands, the float64 reference, tolerances), ``baselines`` (NumPy
@@ -30,14 +31,15 @@ from .halfact import HALF_ACT_BATCHES, HALF_ACT_KINDS, build_halfact, halfact_na
 from .linear import DECODE_SHAPES, PREFILL_BATCHES, STACK_BATCHES, build_linear, decode_name, prefill_name, stack_name
 from .load import LOAD_NAME, measure_under_load
 from .merge import MERGE_DTYPES, MERGE_N, QUICK_MERGE_N, build_merge, merge_name
+from .moe import MOE_PROJ, MOE_TOKENS, QUICK as QUICK_MOE, build_moe, moe_name
 from .runner import analyse, rel_err, run_workload
 from .setstep import QUICK_SET_LAYERS, build_set_step, set_step_name
 from .sweep import LLAMA2_7B_LAYERS, SWEEP_RANK, build_sweep, size_sweep, sweep_name
 
 __all__ = [  # what the rest of lorabench reads (cli, targets, peftmodel)
     "BANK_EDGE_NAME", "DECODE_SHAPES", "EDGE_BATCH", "LLAMA2_7B_LAYERS", "QUICK_SET_LAYERS", "Built", "Ctx", "Skip",
-    "Workload", "analyse", "bank_name", "decode_name", "edge_name", "gather_name", "halfact_name", "prefill_name",
-    "rel_err", "run_workload", "size_sweep", "workloads"]
+    "Workload", "analyse", "bank_name", "decode_name", "edge_name", "gather_name", "halfact_name", "moe_name",
+    "prefill_name", "rel_err", "run_workload", "size_sweep", "workloads"]
 
 
 def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS, quick=False):
@@ -81,4 +83,14 @@ def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS, quick=Fal
     merge_n = QUICK_MERGE_N if quick else MERGE_N
     for wdt in MERGE_DTYPES:
         add(merge_name(merge_n), "merge", wdt, lambda c, w=wdt: build_merge(c, w, merge_n))
+    if quick:  # one small routed row: the code path, not the numbers
+        q = {k: v for k, v in QUICK_MOE.items() if k not in ("proj", "tokens")}
+        add(moe_name(None, None, quick=True), "moe", "float32",
+            lambda c: build_moe(c, QUICK_MOE["proj"], QUICK_MOE["tokens"], "float32", **q))
+    else:
+        for dtype in ("float32", "bfloat16"):
+            for tokens in MOE_TOKENS:
+                for proj in MOE_PROJ:
+                    key = moe_name(proj, tokens)
+                    add(key, "moe", dtype, lambda c, a=(proj, tokens, dtype): build_moe(c, *a), key)
     return W
