@@ -29,7 +29,12 @@
  *     member-by-member calls; half out: the float32 stack result rounded
  *     once), within the bound of the reference;
  *   - a bank row = its entry applied alone, with -1 ids and zero position
- *     scales leaving the row's bits untouched.
+ *     scales leaving the row's bits untouched;
+ *   - routed experts (lora_apply_experts): every (token, slot) pair's row =
+ *     its adapter's expert applied alone, x shared by a token's slots or one
+ *     per slot, -1 experts / adapters and zero scales untouched, 1 thread =
+ *     2 threads, and out-of-range expert / adapter ids refused with their
+ *     position before anything is written.
  * Prints one line per path and "check_kernels: N passed, M failed"; exits
  * 1 on any failure.
  */
@@ -493,6 +498,81 @@ static void check_rounding(int ot) {
 
 /* ------------------------------------------------------------- statuses */
 
+/* Routed experts: 3 adapter slots of 5 experts (slot 1 empty), experts of several storage
+ * dtypes and ranks, T tokens x k slots with repeated and -1 experts, adapters and scales per
+ * token; x one row per token (shared) or one per slot. */
+static void check_experts(int ot, int shared, int64_t rows, int64_t cols, int64_t T, int threads) {
+    enum { E = 5, K = 3 };
+    delta_t m[2 * E];
+    const lora_delta *dp[2 * E];
+    double sc[2 * E];
+    for (int q = 0; q < 2 * E; q++) {
+        m[q] = make_delta(q % LORA_DTYPE_COUNT, 1 + 7 * (q % 3), rows, cols);
+        dp[q] = m[q].d;
+        sc[q] = 0.25 * (q + 1) * (q % 2 ? -1 : 1);
+    }
+    /* kernel entries: 0..4 adapter 0's experts, 5 the empty slot, 6..10 adapter 2's */
+    int64_t first[2 * E + 2];
+    for (int e = 0, q = 0; e <= 2 * E + 1; e++) first[e] = q, q += (e < 2 * E + 1 && e != E);
+    const int64_t starts[4] = {0, E, E + 1, 2 * E + 1};
+    const int64_t n = T * K, nx = shared ? T : n, no = n * rows;
+    const size_t osz = lora_dtype_size(ot), ob = (size_t)no * osz;
+    float *xw = (float *)xmalloc(sizeof(float) * (size_t)(nx * cols));
+    void *x = rand_array(nx * cols, LORA_DTYPE_BF16, xw, 1.0f);
+    float *ow = (float *)xmalloc(sizeof(float) * (size_t)no);
+    void *out0 = rand_array(no, ot, ow, 1.0f), *got = xmalloc(ob), *two = xmalloc(ob);
+    void *row = xmalloc((size_t)rows * osz);
+    int64_t *eid = (int64_t *)xmalloc(sizeof(int64_t) * (size_t)n), aid[64], bad;
+    double ps[64];
+    for (int64_t q = 0; q < n; q++) eid[q] = (int64_t)(next_u64() % (E + 1)) - 1;
+    for (int64_t t = 0; t < T; t++) {
+        aid[t] = (int64_t)(next_u64() % 4) - 1;
+        ps[t] = t % 4 == 2 ? 0.0 : 0.5 + uniform();
+        eid[t * K + 1] = eid[t * K]; /* a token visiting one expert twice */
+    }
+    snprintf(g_what, sizeof g_what, "experts out=%s %s rows=%lld cols=%lld T=%lld threads=%d",
+             DT[ot], shared ? "shared x" : "x per slot", (long long)rows, (long long)cols,
+             (long long)T, threads);
+    const int64_t xe = shared ? K : 1;
+    for (int pass = 0; pass < 2; pass++) {
+        lora_set_num_threads(pass ? 2 : threads);
+        void *dst = pass ? two : got;
+        memcpy(dst, out0, ob);
+        CHECK(lora_apply_experts(2 * E + 1, first, dp, sc, 3, starts, E, aid, ps, K, eid, xe, rows,
+                                 cols, n, x, LORA_DTYPE_BF16, cols, dst, ot, rows, &bad) == LORA_OK,
+              "status");
+    }
+    CHECK(same_bits(got, two, no, ot), "1 thread and 2 threads differ");
+    for (int64_t q = 0; q < n; q++) {
+        const int64_t t = q / K, a = aid[t], e = eid[q];
+        memcpy(row, (char *)out0 + q * rows * osz, (size_t)rows * osz);
+        if (a >= 0 && e >= 0 && a != 1) {
+            const int64_t k = starts[a] + e, f[2] = {0, 1};
+            lora_apply_batch(1, f, dp + first[k], sc + first[k], NULL, ps + t, 1, rows, cols, 1,
+                             (char *)x + (q / xe) * cols * 2, LORA_DTYPE_BF16, cols, row, ot, rows,
+                             &bad);
+        }
+        CHECK(same_bits(row, (char *)got + q * rows * osz, rows, ot),
+              "pair %lld (adapter %lld, expert %lld) differs from the expert alone", (long long)q,
+              (long long)a, (long long)e);
+    }
+    /* refusals: nothing written, the position named */
+    memcpy(got, out0, ob);
+    eid[n - 1] = E;
+    CHECK(lora_apply_experts(2 * E + 1, first, dp, sc, 3, starts, E, aid, ps, K, eid, xe, rows, cols,
+                             n, x, LORA_DTYPE_BF16, cols, got, ot, rows, &bad) == LORA_ERR_INDEX &&
+              bad == n - 1, "expert id E: status / bad %lld", (long long)bad);
+    eid[n - 1] = -1;
+    aid[T - 1] = 3;
+    CHECK(lora_apply_experts(2 * E + 1, first, dp, sc, 3, starts, E, aid, ps, K, eid, xe, rows, cols,
+                             n, x, LORA_DTYPE_BF16, cols, got, ot, rows, &bad) == LORA_ERR_ADAPTER &&
+              bad == T - 1, "adapter id 3: status / bad %lld", (long long)bad);
+    CHECK(same_bits(got, out0, no, ot), "a refused experts call wrote out");
+    lora_set_num_threads(0);
+    free(xw), free(x), free(ow), free(out0), free(got), free(two), free(row), free(eid);
+    for (int q = 0; q < 2 * E; q++) free_delta(&m[q]);
+}
+
 /* every entry point refuses a dtype code outside the registry with LORA_ERR_DTYPE (the
  * constructors with NULL) and writes nothing; merge and abs-max report through their
  * out-parameters */
@@ -588,6 +668,9 @@ int main(void) {
             check_threads_batch(ot == 2 ? LORA_DTYPE_F32 : LORA_DTYPE_BF16, ot, 64, 1100, 1100, 1);
             check_stack_and_bank(ot, 40, 33, 13, 1);
             check_stack_and_bank(ot, 1001, 257, 11, 2);
+            check_experts(ot, 1, 33, 17, 7, 1);
+            check_experts(ot, 0, 129, 65, 5, 1);
+            check_experts(ot, 1, 600, 500, 21, 2);   /* above the parallel threshold */
         }
         check_rounding(LORA_DTYPE_F16);
         check_rounding(LORA_DTYPE_BF16);
