@@ -50,15 +50,18 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
         st = lora_plan_call(&p, n_entries, first, deltas, scales, entry_ids, pos_scales,
                             ids_every, rows, cols, batch, out, out_dtype, ldo, bad, stack_buf,
                             &heap_buf);
-    if (st == LORA_OK) {
-        p.x = (const char *)x, p.x_dtype = x_dtype, p.ldx = ldx;
-        lora_widened wide;
-        st = lora_plan_widen(&p, &wide);
-        if (st == LORA_OK) st = lora_run_plan(&p, 0);
-        lora_widened_free(&wide);
-    }
+    if (st == LORA_OK) st = lora_run_projections(&p, x, x_dtype, ldx, 1);
     free(heap_buf);
     for (int k = 0; k < 3; k++) free(own[k]);
+    return st;
+}
+
+int lora_run_projections(lora_plan *p, const void *x, int x_dtype, int64_t ldx, int64_t x_every) {
+    p->x = (const char *)x, p->x_dtype = x_dtype, p->ldx = ldx, p->x_every = x_every;
+    lora_widened wide;
+    int st = lora_plan_widen(p, &wide);
+    if (st == LORA_OK) st = lora_run_plan(p, 0);
+    lora_widened_free(&wide);
     return st;
 }
 

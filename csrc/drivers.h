@@ -73,6 +73,11 @@ int lora_check_apply(int64_t n_entries, const int64_t *first, const lora_delta *
                      const void *x, int x_dtype, int64_t ldx, int64_t n_x, int64_t cols,
                      const void *out, int out_dtype, int64_t ldo, int64_t n_out, int64_t rows);
 
+/* Run a planned projection call (lora_plan_call made p) on x: position b reads row
+ * b / x_every, ldx elements apart; half-precision deltas widened for the call where that pays
+ * (lora_plan_widen).  A LORA_* status. */
+int lora_run_projections(lora_plan *p, const void *x, int x_dtype, int64_t ldx, int64_t x_every);
+
 /* --- plan.c */
 
 /* The checks and set-up every driver shares: returns a status, and on

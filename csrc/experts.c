@@ -90,13 +90,7 @@ int lora_apply_experts(int64_t n_entries, const int64_t *first, const lora_delta
     st = lora_plan_call(&p, n_entries, first, deltas, scales, entry, mul, 1, rows, cols, n, out,
                         out_dtype, ldo, bad, stack_buf, &heap_buf);
     if (st == LORA_ERR_SCALE && bad && *bad >= 0) *bad /= ids_every; /* the caller's index */
-    if (st == LORA_OK) {
-        p.x = (const char *)x, p.x_dtype = x_dtype, p.ldx = ldx, p.x_every = x_every;
-        lora_widened wide;
-        st = lora_plan_widen(&p, &wide);
-        if (st == LORA_OK) st = lora_run_plan(&p, 0);
-        lora_widened_free(&wide);
-    }
+    if (st == LORA_OK) st = lora_run_projections(&p, x, x_dtype, ldx, x_every);
     free(heap_buf);
     free(heap);
     return st;

@@ -36,7 +36,8 @@ from . import scale as _scale_mod
 from ._lora_cffi import ffi, lib
 from .errors import LoraShapeError
 
-__all__ = ["Member", "entry_type", "entry_types", "stackable_types", "owners", "EntryTable"]
+__all__ = ["Member", "entry_type", "entry_types", "stackable_types", "owners", "EntryTable",
+           "with_scales"]
 
 _F64 = np.dtype(np.float64)
 _I64 = arrays.I64
@@ -359,14 +360,7 @@ class EntryTable:
         ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
         if len(lead) == 1 and ids.ndim == 1 and ids.shape[0] != lead[0]:
             raise ValueError(f"adapter_ids has {ids.shape[0]} ids; out has {lead[0]} positions")
-        every = arrays.per_id_shape(ids, lead, "adapter_ids")
-        if scales is None:
-            return ids, from_buffer(INT64S, ids), None, NULL, every
-        pos = arrays.as_scales(scales)
-        if pos.shape != ids.shape:
-            raise ValueError(f"scales must have the shape of adapter_ids, {ids.shape}; got "
-                             f"{pos.shape}")
-        return ids, from_buffer(INT64S, ids), pos, from_buffer(DOUBLES, pos), every
+        return with_scales(ids, scales, arrays.per_id_shape(ids, lead, "adapter_ids"))
 
     def _raise(self, status, ids, pos, tok=None, bad=None):
         rows = self._shape[0] if self._shape else 0
@@ -420,6 +414,18 @@ class EntryTable:
                              f"{arrays.position_of(tok, pos)} is out of range")
         self._check_ids_only(adapter_ids, scales, tok.shape)
         return out
+
+
+def with_scales(ids, scales, every):
+    """(ids, ids ptr, scales, scales ptr, positions per id) of a bank call: int64 adapter ids
+    checked for their shape, and `scales` (None, or real numbers of the ids' shape)."""
+    if scales is None:
+        return ids, from_buffer(INT64S, ids), None, NULL, every
+    pos = arrays.as_scales(scales)
+    if pos.shape != ids.shape:
+        raise ValueError(f"scales must have the shape of adapter_ids, {ids.shape}; got "
+                         f"{pos.shape}")
+    return ids, from_buffer(INT64S, ids), pos, from_buffer(DOUBLES, pos), every
 
 
 def _apply_vec(table, xp, xc, op, oc):

@@ -247,23 +247,22 @@ class _SetBank:
         """(rows, cols) of the base, or None while no adapter targets it."""
         return self._set._snap.shapes.get(self._target)
 
-    def add_batch_to(self, x, out, adapter_ids, scales=None):
-        """As ``LoraBank.add_batch_to``, with the set's slot ids as adapter ids."""
-        need_ids(adapter_ids)
-        snap = self._set._snap  # one instant of the set for the whole call
-        if snap.has_free:
-            _no_free_slot(snap, adapter_ids)
-        table = snap._tables.get(self._target) or snap.table(self._target)
-        return table.apply_batch(x, out, adapter_ids, scales)
-
-    def add_rows_to(self, ids, out, adapter_ids, scales=None):
-        """As ``LoraBank.add_rows_to``, with the set's slot ids as adapter ids."""
+    def _table(self, adapter_ids):
+        """The target's table in one instant of the set (for the whole call), after the ids'
+        checks that only the set can make."""
         need_ids(adapter_ids)
         snap = self._set._snap
         if snap.has_free:
             _no_free_slot(snap, adapter_ids)
-        table = snap._tables.get(self._target) or snap.table(self._target)
-        return table.apply_rows(ids, out, adapter_ids, scales)
+        return snap._tables.get(self._target) or snap.table(self._target)
+
+    def add_batch_to(self, x, out, adapter_ids, scales=None):
+        """As ``LoraBank.add_batch_to``, with the set's slot ids as adapter ids."""
+        return self._table(adapter_ids).apply_batch(x, out, adapter_ids, scales)
+
+    def add_rows_to(self, ids, out, adapter_ids, scales=None):
+        """As ``LoraBank.add_rows_to``, with the set's slot ids as adapter ids."""
+        return self._table(adapter_ids).apply_rows(ids, out, adapter_ids, scales)
 
     @property
     def expert_shape(self):
@@ -273,11 +272,7 @@ class _SetBank:
 
     def add_experts_to(self, x, out, adapter_ids, expert_ids, scales=None):
         """As ``LoraBank.add_experts_to``, with the set's slot ids as adapter ids."""
-        need_ids(adapter_ids)
-        snap = self._set._snap
-        if snap.has_free:
-            _no_free_slot(snap, adapter_ids)
-        table = snap._tables.get(self._target) or snap.table(self._target)
+        table = self._table(adapter_ids)
         if table.base_shape is not None and table.expert_shape is None:
             raise TypeError(f"add_experts_to needs a MoE target; {self._target!r} holds plain "
                             f"deltas (use add_batch_to)")

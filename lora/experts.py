@@ -20,9 +20,9 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dtypes as dtypes
-from ._dispatch import (CHARS, DOUBLES, ERR_ALIGN, INT64S, NULL, fast_code, from_buffer, ndarray,
+from ._dispatch import (CHARS, ERR_ALIGN, INT64S, NULL, fast_code, from_buffer, ndarray,
                         run_batch)
-from ._entries import EntryTable, Member, entry_type
+from ._entries import EntryTable, Member, entry_type, with_scales
 from ._lora_cffi import ffi, lib
 from ._merge import finite_scale, merge_
 from .delta import LoraDelta, alpha_factor, check_alpha
@@ -414,16 +414,8 @@ def _bank_ids(adapter_ids, scales, ishape):
     slot (``ishape``).  Returns (ids, ptr, scales, ptr, slots per id)."""
     ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
     if ids.ndim == 0 and len(ishape) == 1:  # one token's k slots
-        every = ishape[0]
-    else:
-        every = arrays.per_id_shape(ids, ishape, "adapter_ids")
-    if scales is None:
-        return ids, from_buffer(INT64S, ids), None, NULL, every
-    pos = arrays.as_scales(scales)
-    if pos.shape != ids.shape:
-        raise ValueError(f"scales must have the shape of adapter_ids, {ids.shape}; got "
-                         f"{pos.shape}")
-    return ids, from_buffer(INT64S, ids), pos, from_buffer(DOUBLES, pos), every
+        return with_scales(ids, scales, ishape[0])
+    return with_scales(ids, scales, arrays.per_id_shape(ids, ishape, "adapter_ids"))
 
 
 def _np_ids(ids):

@@ -189,6 +189,24 @@ def assert_same_bits(a, b, what=""):
                              f"{i}: {a.ravel()[i]!r} vs {b.ravel()[i]!r}")
 
 
+def assert_format_error(call, path, *names):
+    """``call()`` raises one LoraFormatError (a ValueError), without a warning beside it, whose
+    one-line message names ``path`` and every one of ``names``; returns the message."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)     # a refusal must not also warn
+        with pytest.raises(lora.LoraFormatError) as exc:
+            call()
+    msg = str(exc.value)
+    assert isinstance(exc.value, ValueError)
+    assert str(path) in msg, msg
+    for name in names:
+        assert name in msg, msg
+    assert "\n" not in msg
+    return msg
+
+
 # ------------------------------------------------------------- subprocesses
 
 

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import warnings
 from pathlib import Path
 
 import ml_dtypes
@@ -28,6 +27,7 @@ import lora.adapter
 from lora import LoraAdapter, LoraFormatError, LoraScale, LoraShapeError, load_gguf, load_peft
 
 import _adapter_files as af
+from conftest import assert_format_error
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PEFT_DIR = FIXTURES / "peft_r8_alpha16"
@@ -827,18 +827,7 @@ def test_alora_mask_inputs_and_errors():
 # ------------------------------------------------------------------------------------------
 
 
-def _assert_format_error(call, path, *names):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)     # a refusal must not also warn
-        with pytest.raises(LoraFormatError) as exc:
-            call()
-    msg = str(exc.value)
-    assert isinstance(exc.value, ValueError)
-    assert str(path) in msg, msg
-    for name in names:
-        assert name in msg, msg
-    assert "\n" not in msg
-    return msg
+_assert_format_error = assert_format_error
 
 
 Q_KEY = af.PREFIX + "model.layers.0.self_attn.q_proj"

@@ -13,22 +13,14 @@ from gguf import GGMLQuantizationType as T
 
 import _adapter_files as af
 import lora
-from lora import LoraFormatError, load_gguf, load_peft
+from conftest import assert_format_error
+from lora import load_gguf, load_peft
 
 MOD = "model.layers.0.mlp.experts"
 H, INTER, E, R = 16, 12, 4, 2
 
 
-def _format_error(call, path, *names):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)     # a refusal must not also warn
-        with pytest.raises(LoraFormatError) as exc:
-            call()
-    msg = str(exc.value)
-    assert str(path) in msg and "\n" not in msg, msg
-    for name in names:
-        assert name in msg, msg
-    return msg
+
 
 
 def _expect(tensors, depth, n_experts, rank, module=MOD):
@@ -97,7 +89,7 @@ def test_peft_ambiguous_levels_need_the_model(tmp_path):
     tensors = af.param_levels(rng, MOD, [(INTER, H, R, E), (H, INTER, R, E)])
     path = af.write_peft(tmp_path / "amb", tensors,
                          _cfg(["mlp.experts.up_proj", "mlp.experts.down_proj"]))
-    _format_error(lambda: load_peft(path), path / "adapter_model.safetensors", MOD, "base=",
+    assert_format_error(lambda: load_peft(path), path / "adapter_model.safetensors", MOD, "base=",
                   "does not say which")
     # the model registers down_proj first, then up_proj: down is the innermost level
     shapes = {f"{MOD}.down_proj": (E, H, INTER), f"{MOD}.up_proj": (E, INTER, H)}
@@ -117,7 +109,7 @@ def test_peft_expert_count_disagreeing_with_the_model_is_refused(tmp_path):
     path = af.write_peft(tmp_path / "count", _gate_up_down(rng),
                          _cfg(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     shapes = {f"{MOD}.gate_up_proj": (8, 2 * INTER, H), f"{MOD}.down_proj": (8, H, INTER)}
-    _format_error(lambda: load_peft(path, base=shapes), path / "adapter_model.safetensors",
+    assert_format_error(lambda: load_peft(path, base=shapes), path / "adapter_model.safetensors",
                   f"{MOD}.down_proj", f"{E} experts", "(8, 16, 12) (8 experts)")
     with pytest.raises(TypeError, match="base must be a mapping"):
         load_peft(path, base=[1, 2])
@@ -131,22 +123,22 @@ def test_peft_2d_parameter_and_refusals(tmp_path):
     assert isinstance(d, lora.LoraDelta) and (d.rows, d.cols, d.rank) == (10, H, R)
     # a nested level and no target_parameters naming a parameter of the module
     bad = af.write_peft(tmp_path / "b1", _gate_up_down(rng), _cfg(["mlp.router.weight"]))
-    _format_error(lambda: load_peft(bad), bad / "adapter_model.safetensors", "base_layer",
+    assert_format_error(lambda: load_peft(bad), bad / "adapter_model.safetensors", "base_layer",
                   "names no parameter")
     # two levels, one target parameter
     bad = af.write_peft(tmp_path / "b2", _gate_up_down(rng), _cfg(["mlp.experts.gate_up_proj"]))
-    _format_error(lambda: load_peft(bad), bad / "adapter_model.safetensors", "2 nested")
+    assert_format_error(lambda: load_peft(bad), bad / "adapter_model.safetensors", "2 nested")
     # only the inner level
     inner = {k: v for k, v in _gate_up_down(rng).items() if ".base_layer." in k}
     bad = af.write_peft(tmp_path / "b3", inner, _cfg(["experts.gate_up_proj", "experts.down_proj"]))
-    _format_error(lambda: load_peft(bad), bad / "adapter_model.safetensors", "none at depth 0")
+    assert_format_error(lambda: load_peft(bad), bad / "adapter_model.safetensors", "none at depth 0")
     # a rank that does not divide lora_A's rows
     odd = af.param_levels(rng, MOD, [(H, INTER, 3, 1)])
     bad = af.write_peft(tmp_path / "b4", odd, _cfg(["mlp.experts.down_proj"]))
-    _format_error(lambda: load_peft(bad), bad / "adapter_model.safetensors",
+    assert_format_error(lambda: load_peft(bad), bad / "adapter_model.safetensors",
                   "not a multiple of its rank 2")
     bad = af.write_peft(tmp_path / "b5", tensors, _cfg("lm_head.weight"))
-    _format_error(lambda: load_peft(bad), bad / "adapter_config.json", "target_parameters")
+    assert_format_error(lambda: load_peft(bad), bad / "adapter_config.json", "target_parameters")
 
 
 # ------------------------------------------------------------------ GGUF
@@ -197,7 +189,7 @@ def test_gguf_refuses_3d_pairs_of_the_wrong_ne(tmp_path):
     }
     for name, (tensors, needle) in cases.items():
         path = af.write_gguf(tmp_path / f"{name}.gguf", tensors)
-        _format_error(lambda: load_gguf(path), path, needle)
+        assert_format_error(lambda: load_gguf(path), path, needle)
     # trailing dimensions of 1 past the third are the 3-D factor
     path = af.write_gguf(tmp_path / "pad.gguf", [(f"{base}.lora_a", a[None], None),
                                                  (f"{base}.lora_b", b, None)])
@@ -291,5 +283,5 @@ def test_files_peft_saves(tmp_path, kind):
                                        rtol=1e-5, atol=1e-6)
     # a model with another expert count: the file does not fit it
     other = _peft_model(kind, tmp_path, n_experts=3, bare=True)
-    _format_error(lambda: load_peft(tmp_path / kind, base=other.state_dict()),
+    assert_format_error(lambda: load_peft(tmp_path / kind, base=other.state_dict()),
                   tmp_path / kind, "3 experts")
