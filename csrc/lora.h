@@ -33,7 +33,8 @@ typedef struct lora_delta lora_delta;
 #define LORA_ERR_OVERLAP 3   /* the bytes of x and out intersect */
 #define LORA_ERR_INDEX 4     /* a token id out of [0, rows), or an expert id out of
                               [-1, n_experts); *bad = its position */
-#define LORA_ERR_ADAPTER 5   /* an adapter id out of [-1, n_entries); *bad = its position */
+#define LORA_ERR_ADAPTER 5   /* an adapter id out of [-1, n_entries) (experts: n_adapters);
+                              *bad = its position */
 #define LORA_ERR_ALIGN 6     /* x or out not 4-byte aligned (ids: 8), which C may not read */
 #define LORA_ERR_SCALE 7     /* an effective scale that is not finite in float32 */
 #define LORA_ERR_DTYPE 8     /* an unknown dtype code */

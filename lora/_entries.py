@@ -200,8 +200,8 @@ class EntryTable:
     def plain(self, method):
         """TypeError for a plain apply `method` on a table of experts (their calls route)."""
         if self._expert_shape is not None:
-            raise TypeError(f"the {self._what}s hold routed experts "
-                            f"{_shown(self._shape, self._expert_shape)}: call add_experts_to "
+            raise TypeError(f"the entries are routed experts "
+                            f"({_shown(self._shape, self._expert_shape)}): call add_experts_to "
                             f"(with expert ids) rather than {method}")
 
     @property

@@ -83,7 +83,6 @@ class LoraBank:
         need_ids(adapter_ids)
         return self._table.apply_rows(ids, out, adapter_ids, scales)
 
-
     def add_experts_to(self, x, out, adapter_ids, expert_ids, scales=None):
         """A bank of `LoraExperts`: slot ``j`` of token ``t`` (``out[..., t, j, :]``) gets expert
         ``expert_ids[..., t, j]`` of entry ``adapter_ids[...]``, times ``scales[...]``; returns

@@ -38,6 +38,17 @@ _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
 _ERR_SCALE = lib.LORA_ERR_SCALE
 _cast = ffi.cast
 _INT64P = ffi.typeof("int64_t *")
+_VOIDP = ffi.typeof("void *")
+_TORCH_CODES = arrays.TORCH_CODES  # filled in place at the first tensor
+_TENSOR_MISS = (AttributeError, RuntimeError, TypeError, IndexError)
+_note_write = arrays.note_write
+_TORCH_INT64 = [None]  # torch.int64, bound with the torch codes
+
+
+def _torch_init():
+    codes = arrays.torch_init()
+    _TORCH_INT64[0] = arrays.torch_module().int64
+    return codes
 
 
 def _pair_error(a, b):
@@ -257,17 +268,12 @@ class LoraExperts:
                         idp = from_buffer(INT64S, expert_ids)
                     except ValueError:  # not contiguous: the checked path
                         pass
-                    else:
+                    else:  # any refusal: the checked path names it (nothing was written)
                         t = self._table
-                        bad = ffi.new("int64_t *")
-                        status = _apply(t.n_kernel, t.first, t.ptrs, t.scales(), 1, t.starts_c,
-                                        self._n, NULL, NULL, 1, idp, every, self._rows,
-                                        self._cols, n, xp, xc, self._cols, op, oc, self._rows,
-                                        bad)
-                        if status == 0:
+                        if not _apply(t.n_kernel, t.first, t.ptrs, t.scales(), 1, t.starts_c,
+                                      self._n, NULL, NULL, 1, idp, every, self._rows, self._cols,
+                                      n, xp, xc, self._cols, op, oc, self._rows, NULL):
                             return out
-                        if status != ERR_ALIGN:
-                            _raise(status, t, expert_ids, None, None, bad)
         return apply_experts(self._table, x, out, expert_ids)
 
     # ------------------------------------------------------------ offline
@@ -346,6 +352,9 @@ def apply_experts(table, x, out, expert_ids, adapter_ids=None, scales=None):
     ``lora_apply_experts`` call through `lora._dispatch.run_batch`.  Returns out."""
     if table.stale:
         table._rebuild()
+    if scales is None and table._expert_shape is not None and \
+            _fast(table, x, out, expert_ids, adapter_ids) == 0:
+        return out
     ids, idp = _expert_ids(expert_ids)
     ishape = tuple(ids.shape)
     if not ishape:
@@ -394,6 +403,73 @@ def _call(extra, lead, n, xp, xc, ldx, op, oc, ldo):
     if status and status != ERR_ALIGN:
         _raise(status, table, ids, aids, pos, bad)
     return status
+
+
+def _fast(table, x, out, expert_ids, adapter_ids):
+    """The fast path of `apply_experts` (the banks, and tensors under `accelerate_peft`): x and
+    out both NumPy arrays or both plain CPU tensors, C-contiguous, of the routed shapes; int64
+    expert ids of the same kind; adapter ids None or int64 (a tensor or an ndarray) of the
+    per-token or per-slot shape; no scales.  Returns the C status (any refusal is made again
+    by the checked path, which names it: nothing was written), or None when the arguments are
+    not of that form."""
+    try:
+        if type(out) is ndarray:
+            if type(x) is not ndarray or type(expert_ids) is not ndarray \
+                    or expert_ids.dtype is not _I64:
+                return None
+            xc, oc = fast_code(id(x.dtype)), fast_code(id(out.dtype))
+        else:
+            codes = _TORCH_CODES if _TORCH_INT64[0] is not None else _torch_init()
+            xc, oc = codes.get(x.dtype), codes.get(out.dtype)
+            if expert_ids.dtype is not _TORCH_INT64[0]:
+                return None
+        if xc is None or oc is None:
+            return None
+        n_experts, rows, cols = table._expert_shape
+        ish, os_, xs = expert_ids.shape, out.shape, x.shape
+        nd = len(ish)
+        if not nd or len(os_) != nd + 1 or os_[-1] != rows or os_[:-1] != ish or xs[-1] != cols:
+            return None
+        if len(xs) == nd and xs[:-1] == ish[:-1]:
+            x_every = ish[-1]
+        elif len(xs) == nd + 1 and xs[:-1] == ish:
+            x_every = 1
+        else:
+            return None
+        aidp, every = NULL, 1
+        if adapter_ids is not None:
+            ash = adapter_ids.shape
+            every = ish[-1] if ash == ish[:-1] else (1 if ash == ish else 0)
+            if not every:
+                return None
+            if type(adapter_ids) is ndarray:
+                if adapter_ids.dtype is not _I64:
+                    return None
+                aidp = from_buffer(INT64S, adapter_ids)  # ValueError: not contiguous
+            elif (adapter_ids.dtype is _TORCH_INT64[0] and adapter_ids.is_cpu
+                  and adapter_ids.is_contiguous()):
+                aidp = _cast(_INT64P, adapter_ids.data_ptr())
+            else:
+                return None
+        if type(out) is ndarray:
+            n = expert_ids.size
+            xp, op = from_buffer(x), from_buffer(CHARS, out, True)  # ValueError: see above
+            idp = from_buffer(INT64S, expert_ids)
+        else:
+            n = out.numel() // rows
+            if not (x.is_cpu and out.is_cpu and expert_ids.is_cpu and not out.requires_grad
+                    and x.is_contiguous() and out.is_contiguous() and expert_ids.is_contiguous()):
+                return None
+            _note_write(out)
+            xp, op = _cast(_VOIDP, x.data_ptr()), _cast(_VOIDP, out.data_ptr())
+            idp = _cast(_INT64P, expert_ids.data_ptr())
+        if not n:
+            return None
+    except _TENSOR_MISS + (ValueError,):
+        return None
+    return _apply(table.n_kernel, table.first, table.ptrs, table.scales(), table.n_entries,
+                  table.starts_c, n_experts, aidp, NULL, every, idp, x_every, rows, cols, n, xp,
+                  xc, cols, op, oc, rows, NULL)
 
 
 def _expert_ids(expert_ids):

@@ -260,6 +260,33 @@ def test_bad_input_is_refused_before_anything_is_written():
         ex.add_to(x, out0.astype(np.float64), ids)
 
 
+def test_fast_paths_refuse_as_the_checked_path_does():
+    """ndarray and tensor calls of the fast forms (int64 ids, contiguous x / out, adapter ids
+    as arrays or tensors): a bad id is the same IndexError, with nothing written."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(17)
+    ex = make_experts(rng, 4, 3, 10, 8)
+    bank = lora.LoraBank([ex, None, ex])
+    x, out0 = rand(rng, (5, 8)), rand(rng, (5, 2, 10))
+    ids = rng.integers(0, 4, size=(5, 2))
+    bad = ids.copy()
+    bad[3, 1] = 4
+    aid = np.array([0, 1, 2, -1, 0])
+    for conv in (np.asarray, torch.from_numpy):
+        for call in (lambda o, e: ex.add_to(conv(x), o, conv(e)),
+                     lambda o, e: bank.add_experts_to(conv(x), o, conv(aid), conv(e))):
+            out = conv(out0.copy())
+            with pytest.raises(IndexError, match=r"expert id 4 at position \(3, 1\)"):
+                call(out, bad)
+            assert_same_bits(np.asarray(out), out0)
+            call(out, ids)
+            assert not np.array_equal(np.asarray(out), out0)
+        out = conv(out0.copy())
+        with pytest.raises(IndexError, match="adapter id 3 at position 4"):
+            bank.add_experts_to(conv(x), out, conv(np.array([0, 1, 2, -1, 3])), conv(ids))
+        assert_same_bits(np.asarray(out), out0)
+
+
 def test_constructor_and_properties():
     rng = np.random.default_rng(6)
     a, b = rng.standard_normal((4, 3, 10)), rng.standard_normal((4, 12, 3))

@@ -4,10 +4,12 @@ gate/up projection (``[2*768 x 2048]`` per expert, one x row per token shared by
 and the down projection (``[2048 x 768]``, one x row per slot), routed decode (1 token) and
 routed prefill (512 tokens), float32 and bfloat16 storage, float32 x and out.
 
-The routing is a router's: 8 distinct experts per token, drawn at random, the same in every
-call (so the routed experts' factors live in the cache level their size puts them in, as the
-other families' weights do).  Baselines, the ways a PyTorch user writes it (``best torch`` is
-the fastest of them in each row):
+The routing is a router's: 8 distinct experts per token, drawn at random, and every call of
+every implementation takes the next of several routings (as the layers and tokens of a model
+do), so a call reads its routed experts' factors from wherever all the experts' factors live,
+not from a core's cache that the same routing warmed: the row's working set is the whole
+expert table (``working_set_bytes``), its bytes per call only the routed experts'.  Baselines,
+the ways a PyTorch user writes it (``best torch`` is the fastest of them in each row):
 
 * ``torch_bmm``: gather each pair's expert factors and ``bmm`` (transformers' ``batched_mm``
   experts path does this with the base weights);
@@ -18,13 +20,19 @@ the fastest of them in each row):
   (transformers' default ``grouped_mm`` experts path on CPU);
 * ``dense``: our own dense delta doing the same number of positions (decode: each pair as its
   own ``LoraDelta.add_to`` on its expert; prefill: one expert's ``add_batch_to`` over all the
-  pairs), the yardstick for "as fast per routed pair as a dense delta per position".
+  pairs, its factors in cache), the yardstick for "as fast per routed pair as a dense delta per
+  position";
+* ``bank``: the same pairs through a ``LoraBank`` of the experts' ``LoraDelta``s (adapter id =
+  expert id, x one row per pair): the plain bank path doing the routed work.
 
-Bytes / flops (S pairs, u distinct routed experts): bytes = u*rank*(rows+cols)*w + x rows *
-cols*4 + S*rows*4*2 (out read and written) + S*8 (ids); flops = 2*S*rank*(rows+cols).
+Bytes / flops (S pairs, u distinct routed experts, a mean over the routings): bytes =
+u*rank*(rows+cols)*w + x rows * cols*4 + S*rows*4*2 (out read and written) + S*8 (ids); flops =
+2*S*rank*(rows+cols); working set: every expert's factors, x and out.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -58,7 +66,10 @@ def build_moe(ctx, proj, tokens, dtype, rows=None, cols=None, n_experts=N_EXPERT
     b_all = np.stack([b for _, b in pairs])
     ex = lora.LoraExperts(a_all, b_all, alpha=2.0 * rank, dtype=dtype)
     s = ex.effective_scale
-    ids = np.stack([rng.choice(n_experts, size=k, replace=False) for _ in range(tokens)])
+    n_routes = max(2, min(32, 4 * n_experts // (tokens * k)))  # enough to visit every expert
+    routes = [np.stack([rng.choice(n_experts, size=k, replace=False) for _ in range(tokens)])
+              for _ in range(n_routes)]
+    flats = [ids.reshape(-1) for ids in routes]
     S = tokens * k
     x = rand(rng, (tokens, cols) if shared else (tokens, k, cols), 1.0)
     xs = np.repeat(x, k, axis=0) if shared else x.reshape(S, cols)   # one row per pair
@@ -67,68 +78,83 @@ def build_moe(ctx, proj, tokens, dtype, rows=None, cols=None, n_experts=N_EXPERT
     def zeros():
         return np.zeros(oshape, np.float32)
 
-    impls = {"ours": Impl(ex.add_to, x, zeros(), ids)}
-    flat = ids.reshape(-1)
-    if tokens == 1:
-        experts = [ex.expert(int(e)) for e in flat]
+    nxt = itertools.cycle(range(n_routes)).__next__
 
-        def dense(experts=experts, xs=xs, o=np.zeros((S, rows), np.float32)):
-            for i, d in enumerate(experts):
+    def ours(ex=ex, x=x, o=zeros(), routes=routes, nxt=nxt):
+        ex.add_to(x, o, routes[nxt()])
+
+    impls = {"ours": Impl(ours)}
+    if tokens == 1:
+        per_route = [[ex.expert(int(e)) for e in f] for f in flats]
+
+        def dense(per_route=per_route, xs=xs, o=np.zeros((S, rows), np.float32), nxt=nxt):
+            for i, d in enumerate(per_route[nxt()]):
                 d.add_to(xs[i], o[i])
     else:
-        d0, o_dense = ex.expert(0), np.zeros((S, rows), np.float32)
+        d0 = ex.expert(0)
 
-        def dense(d0=d0, xs=xs, o=o_dense):
+        def dense(d0=d0, xs=xs, o=np.zeros((S, rows), np.float32)):
             d0.add_batch_to(xs, o)
     impls["dense"] = Impl(dense)
+    bank = lora.LoraBank([ex.expert(e) for e in range(n_experts)])
+
+    def bank_call(bank=bank, xs=xs, o=np.zeros((S, rows), np.float32), flats=flats, nxt=nxt):
+        bank.add_batch_to(xs, o, flats[nxt()])
+    impls["bank"] = Impl(bank_call)
     if torch is not None:
-        impls.update(_torch_impls(torch, a_all, b_all, dtype, s, xs, flat, oshape))
+        impls.update(_torch_impls(torch, a_all, b_all, dtype, s, xs, flats, oshape, nxt))
 
     def ours_once():
-        return ex.add_to(x, zeros(), ids)
+        return ex.add_to(x, zeros(), routes[0])
 
     stored_a, stored_b = (f.astype(np.float64) for f in ex.lora_weights())
 
     def ref_once():
-        y = np.einsum("src,sc->sr", stored_a[flat], xs.astype(np.float64))
-        return (s * np.einsum("sor,sr->so", stored_b[flat], y)).reshape(oshape)
+        y = np.einsum("src,sc->sr", stored_a[flats[0]], xs.astype(np.float64))
+        return (s * np.einsum("sor,sr->so", stored_b[flats[0]], y)).reshape(oshape)
 
     w = 4 if dtype == "float32" else 2
-    used = np.unique(flat).size
-    nbytes = used * rank * (rows + cols) * w + x.size * 4 + S * rows * 8 + S * 8
+    per_expert = rank * (rows + cols) * w
+    used = float(np.mean([np.unique(f).size for f in flats]))
+    moved = x.size * 4 + S * rows * 8 + S * 8
+    nbytes = int(used * per_expert) + moved
     flops = 2 * S * rank * (rows + cols)
-    info = {"distinct_experts": int(used), "pairs": int(S)}
+    info = {"distinct_experts": used, "pairs": int(S), "routings": n_routes,
+            "working_set_bytes": n_experts * per_expert + moved}
     return Built(impls, nbytes, flops, (ours_once, ref_once, TOL[dtype]), info=info)
 
 
-def _torch_impls(torch, a_all, b_all, dtype, s, xs, flat, oshape):
+def _torch_impls(torch, a_all, b_all, dtype, s, xs, flats, oshape, nxt):
     """The PyTorch formulations (see the module docstring), factors in the row's storage dtype;
     for bfloat16 factors x is converted to bfloat16 in the call (a user's bf16 matmuls) and the
-    result added into the float32 out."""
+    result added into the float32 out.  Each call takes the next routing (``nxt``)."""
     td = torch.float32 if dtype == "float32" else torch.bfloat16
     A = torch.from_numpy(a_all).to(td)                   # [E, r, cols]
     B = torch.from_numpy(b_all).to(td)                   # [E, rows, r]
     At = A.transpose(1, 2).contiguous()                  # [E, cols, r]
     Bt = B.transpose(1, 2).contiguous()                  # [E, r, rows]
     x32 = torch.from_numpy(xs)
-    ids = torch.from_numpy(flat)
+    routes = [torch.from_numpy(f) for f in flats]
     n_experts = A.shape[0]
-    S, rows = flat.size, oshape[-1]
+    S, rows = flats[0].size, oshape[-1]
 
     def out():
         return torch.zeros(S, rows)
 
-    def torch_bmm(x=x32, ids=ids, o=out()):
+    def torch_bmm(x=x32, o=out()):
+        ids = routes[nxt()]
         xc = x.to(td)
         y = torch.bmm(A[ids], xc.unsqueeze(-1))
         o.add_(torch.bmm(B[ids], y).squeeze(-1), alpha=s)
 
-    def gather_einsum(x=x32, ids=ids, o=out()):
+    def gather_einsum(x=x32, o=out()):
+        ids = routes[nxt()]
         xc = x.to(td)
         y = torch.einsum("sc,src->sr", xc, A[ids])
         o.add_(torch.einsum("sr,sor->so", y, B[ids]), alpha=s)
 
-    def torch_group(x=x32, ids=ids, o=out()):
+    def torch_group(x=x32, o=out()):
+        ids = routes[nxt()]
         xc = x.to(td)
         order = torch.argsort(ids, stable=True)
         counts = torch.bincount(ids, minlength=n_experts).tolist()
@@ -144,7 +170,8 @@ def _torch_impls(torch, a_all, b_all, dtype, s, xs, flat, oshape):
              "torch_group": Impl(torch_group)}
     grouped = getattr(torch.nn.functional, "grouped_mm", None)
     if grouped is not None:
-        def torch_grouped_mm(x=x32, ids=ids, o=out()):
+        def torch_grouped_mm(x=x32, o=out()):
+            ids = routes[nxt()]
             xc = x.to(td)
             ev, perm = torch.sort(ids, stable=True)
             offs = torch.cumsum(torch.bincount(ev, minlength=n_experts), 0).to(torch.int32)

@@ -41,14 +41,17 @@ def run_workload(wl, ctx, cfg, status, monitor=None):
 def analyse(wl, res, bw, peak, threads, caches, by_key):
     """GB/s, GFLOP/s, roofline and speedups of one finished workload (in place).
 
-    The roofline: a working set lives in the smallest level that holds it (``level_for``); the
+    The roofline: a working set (the bytes of one call, or ``working_set_bytes`` when a row
+    declares it) lives in the smallest level that holds it (``level_for``); the
     lower bound of a call's time is max(bytes / bandwidth(level), flops / peak); "% roof" is that
     bound over the measured median.  The sweep's bandwidth is that of a read of its own size
     measured alongside it."""
     t = res["impls"]["ours"]["median_s"]
     res["gb_per_s"] = res["bytes"] / t / 1e9
     res["gflop_per_s"] = res["flops"] / t / 1e9
-    level = level_for(res["bytes"], threads, caches)
+    # where the data lives: the bytes of one call, or the working set a row declares when its
+    # calls move through more (the moe rows: each call routes to other experts)
+    level = level_for(res.get("working_set_bytes", res["bytes"]), threads, caches)
     res["level"] = level
     for ref, key in (("_dram_read", "dram_now_bytes_per_s"), ("_same_size_read", "same_size_read_bytes_per_s")):
         if ref in res["impls"]:
