@@ -252,28 +252,6 @@ class LoraExperts:
         ``expert(e).add_to(x_row, out_row)``, whatever the batch, the routing and the thread
         count.  Errors as `LoraDelta.add_batch_to`; ``out`` is untouched on every error.
         """
-        status = None
-        if (type(x) is ndarray and type(out) is ndarray and type(expert_ids) is ndarray
-                and expert_ids.dtype is _I64 and (xc := fast_code(id(x.dtype))) is not None
-                and (oc := fast_code(id(out.dtype))) is not None):
-            ishape = expert_ids.shape
-            n = expert_ids.size
-            if n and out.shape == ishape + self._oshape:
-                xs = x.shape
-                every = ishape[-1] if xs == ishape[:-1] + self._xshape else (
-                    1 if xs == ishape + self._xshape else 0)
-                if every:
-                    try:  # C-contiguous arrays of the routed shapes: no conversion, no copy
-                        xp, op = from_buffer(x), from_buffer(CHARS, out, True)
-                        idp = from_buffer(INT64S, expert_ids)
-                    except ValueError:  # not contiguous: the checked path
-                        pass
-                    else:  # any refusal: the checked path names it (nothing was written)
-                        t = self._table
-                        if not _apply(t.n_kernel, t.first, t.ptrs, t.scales(), 1, t.starts_c,
-                                      self._n, NULL, NULL, 1, idp, every, self._rows, self._cols,
-                                      n, xp, xc, self._cols, op, oc, self._rows, NULL):
-                            return out
         return apply_experts(self._table, x, out, expert_ids)
 
     # ------------------------------------------------------------ offline
