@@ -126,6 +126,24 @@ class LoraExperts:
                     rslora, factor, scale)
         return self
 
+    @classmethod
+    def _from_deltas(cls, deltas):
+        """Experts from existing `LoraDelta`s, expert e being ``deltas[e]`` (package-internal:
+        `accelerate_peft` serves PEFT's own tensors through views, `LoraDelta.view`).  They must
+        agree on shape, rank, dtype, alpha factor and share one LoraScale (ValueError)."""
+        deltas = tuple(deltas)
+        d = deltas[0] if deltas else None
+        for e, other in enumerate(deltas):
+            if (other.base_shape, other.rank, other.dtype, other._alpha_factor) != \
+                    (d.base_shape, d.rank, d.dtype, d._alpha_factor) or other.scale is not d.scale:
+                raise ValueError(f"expert {e} ({other!r}) differs from expert 0 ({d!r}) in shape, "
+                                 f"rank, dtype, alpha factor or LoraScale")
+        if d is None:
+            raise ValueError("experts need at least one delta")
+        self = cls.__new__(cls)
+        self._set(deltas, d.alpha, d.rslora, d.dtype, d.scale, d._alpha_factor)
+        return self
+
     def _build(self, a_bits, b_bits, name, alpha, rslora, factor, scale):
         """Each expert's packed C storage from the stored bits [E, rank, cols] / [E, rows, rank]."""
         n, rank, cols = a_bits.shape

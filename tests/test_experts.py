@@ -287,6 +287,33 @@ def test_fast_paths_refuse_as_the_checked_path_does():
         assert_same_bits(np.asarray(out), out0)
 
 
+def test_experts_over_views_of_the_callers_memory(isa):
+    """Experts made of `LoraDelta.view`s (how accelerate_peft reads PEFT's lora_A in place and
+    its repacked lora_B): the same bits as owned experts of the same values; a pickle owns a
+    copy."""
+    rng = np.random.default_rng(18)
+    n, r, rows, cols = 5, 4, 24, 16
+    a = rand(rng, (n * r, cols))                       # PEFT's lora_A [r*E, in]
+    bt = rand(rng, (n, r, rows))                       # expert e's B^T rows, [E, r, out]
+    scale = lora.LoraScale(0.5)
+    isz = 4
+    views = [lora.LoraDelta.view((a.ctypes.data + e * r * cols * isz, cols),
+                                 (bt.ctypes.data + e * r * rows * isz, rows), dtype="float32",
+                                 rank=r, rows=rows, cols=cols, scale=scale, keep=(a, bt))
+             for e in range(n)]
+    ex = lora.LoraExperts._from_deltas(views)
+    owned = lora.LoraExperts(a.reshape(n, r, cols), bt.transpose(0, 2, 1), scale=scale)
+    ids = rng.integers(-1, n, size=(6, 2))
+    x = rand(rng, (6, cols))
+    want = owned.add_to(x, np.zeros((6, 2, rows), np.float32), ids)
+    assert_same_bits(ex.add_to(x, np.zeros((6, 2, rows), np.float32), ids), want)
+    assert_same_bits(pickle.loads(pickle.dumps(ex)).add_to(x, np.zeros((6, 2, rows),
+                                                                        np.float32), ids), want)
+    with pytest.raises(ValueError, match="LoraScale"):
+        lora.LoraExperts._from_deltas([views[0], lora.LoraDelta(np.ones((r, cols)),
+                                                                np.ones((rows, r)))])
+
+
 def test_constructor_and_properties():
     rng = np.random.default_rng(6)
     a, b = rng.standard_normal((4, 3, 10)), rng.standard_normal((4, 12, 3))
