@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import lora
+from lora._lora_cffi import ffi, lib
 from conftest import (DTYPES, assert_accurate, assert_same_bits, can_run_two_threads,
                       num_threads, rand)
 
@@ -159,16 +160,24 @@ def test_a_different_summation_order_would_show():
 
 @pytest.mark.skipif(not TWO, reason="needs two threads")
 def test_thread_count_invariance(isa):
+    """1 thread and a team of 2 (asserted: the adaptive policy reset, a team call counted) give
+    the same bits: a decode's 8 experts, a small and a large prefill."""
     rng = np.random.default_rng(9)
-    ex = make_experts(rng, 16, 16, 384, 512, alpha=16.0)
-    for t, k in ((1, 8), (48, 8), (300, 2)):           # decode, small and large prefill
-        ids = rng.integers(-1, 16, size=(t, k))
-        x = rand(rng, (t, 512))
-        out0 = rand(rng, (t, k, 384))
+    ex = make_experts(rng, 16, 16, 1536, 1024, alpha=16.0)
+    calls = ffi.new("int64_t *"), ffi.new("int64_t *")
+    for t, k in ((1, 8), (48, 8), (300, 2)):
+        ids = rng.integers(0, 16, size=(t, k))
+        ids[0, 0] = -1
+        x = rand(rng, (t, 1024))
+        out0 = rand(rng, (t, k, 1536))
         with num_threads(1):
             one = ex.add_to(x, out0.copy(), ids)
         with num_threads(2):
+            lib.lora_team_reset()
             two = ex.add_to(x, out0.copy(), ids)
+            lib.lora_team_stats(*calls)
+            lib.lora_team_reset()
+        assert calls[0][0] >= 1, f"T={t} k={k}: no team call"
         assert_same_bits(one, two, f"T={t} k={k}")
 
 
