@@ -89,8 +89,9 @@ class AdapterSet:
       not target that base adds nothing there; a free slot used as an id is an ``IndexError``.
 
     Every adapter that targets one base name must agree on its ``(rows, cols)`` (and, for
-    experts, on ``expert_shape``): ``add`` and ``replace`` refuse one that does not with a ``LoraShapeError`` naming the adapter, the
-    target and both shapes, and leave the set unchanged.  Changes are serialised and may run
+    experts, on ``expert_shape``): ``add`` and ``replace`` refuse one that does not with a
+    ``LoraShapeError`` naming the adapter, the target and both shapes, and leave the set
+    unchanged.  Changes are serialised and may run
     while other threads are inside bank calls: each call uses the set as it was at one instant,
     and an adapter's memory stays valid until every call that uses it has returned.
     """
