@@ -35,7 +35,6 @@ _I64 = arrays.I64
 _apply = lib.lora_apply_experts
 _ERR_INDEX = lib.LORA_ERR_INDEX
 _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
-_ERR_SCALE = lib.LORA_ERR_SCALE
 _cast = ffi.cast
 _INT64P = ffi.typeof("int64_t *")
 _VOIDP = ffi.typeof("void *")
