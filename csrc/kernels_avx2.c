@@ -24,9 +24,11 @@
  *               project over k, hsum8 the hadd tree of hsum8x8_.
  * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads), the
  * fma chains of kernels_tails.h, shared with the NEON file.
- * Accumulators: project keeps 4 ranks x 2 positions = 8 independent ymm
- * chains (FMA latency 4 x 2 ports = 8 in flight); accumulate keeps 2 row
- * vectors x 2 positions = 4 block chains plus their 4 running totals.
+ * Accumulators: project keeps 4 ranks x 2 positions, or 8 ranks of one
+ * position, = 8 independent ymm chains (FMA latency 4 x 2 ports = 8 in
+ * flight); accumulate keeps 4 row vectors x 1 or 2 positions = 4 or 8 block
+ * chains plus their running totals.  How many ranks
+ * or rows share a tile changes no element's order.
  */
 #include "kernels.h"
 
@@ -96,12 +98,16 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 
 #include "kernels_tails.h"
 
-/* nr ranks (k .. k+nr) x nb positions; nr in {1, PROJECT_RANKS_}, nb in {1, 2} */
+/* nr ranks (k .. k+nr) x nb positions; nr in {1, PROJECT_RANKS_} for nb = 2 and in {1,
+ * PROJECT_RANKS_, PROJECT_RANKS_SOLO_} for nb = 1: 8 independent chains either way, what
+ * two FMA ports of latency 4 need in flight (4 ranks of one position would leave half of
+ * them idle) */
 #define PROJECT_RANKS_ 4
+#define PROJECT_RANKS_SOLO_ 8
 INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
                            const int nb, const void *const *xs, float *t, int64_t ldt,
                            const int dt, const int xt) {
-    __m256 acc_f32x8[PROJECT_RANKS_][2];
+    __m256 acc_f32x8[PROJECT_RANKS_SOLO_][2];
     for (int r = 0; r < nr; r++)
         for (int b = 0; b < nb; b++) acc_f32x8[r][b] = _mm256_setzero_ps();
     const int64_t body = cols & ~(int64_t)7;
@@ -122,18 +128,20 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, 
     }
 }
 
-/* outputs i .. i + 8*nv of nb positions; nv in {1, 2}, nb in {1, 2}: 4
- * block sums + 4 running totals + 3 operands = 11 of the 16 ymm registers */
+/* outputs i .. i + 8*nv of nb positions; nv in {1, 2, 4}, nb in {1, 2}.  Four row vectors
+ * give 4 (one position) or 8 (two) independent chains, what two FMA ports of latency 4 need
+ * in flight; 2 x 4 block sums, their totals and the operands exceed the 16 ymm registers,
+ * but a total is touched once per LORA_KBLOCK FMAs of its block, so its spill is cheap */
 INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                         const int nb, const float *u, int64_t ldu, const float *scale,
                         float *const *outs, int64_t obase, const int dt) {
-    __m256 total_f32x8[2][2] = {{_mm256_setzero_ps()}}, block_f32x8[2][2];
+    __m256 total_f32x8[4][2] = {{_mm256_setzero_ps()}}, block_f32x8[4][2];
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
         for (int v = 0; v < nv; v++)
             for (int b = 0; b < nb; b++) block_f32x8[v][b] = _mm256_setzero_ps();
         for (int64_t k = k0; k < k1; k++) {
-            __m256 m_f32x8[2];
+            __m256 m_f32x8[4];
             for (int v = 0; v < nv; v++) m_f32x8[v] = load_f32x8_(m, k * ldm + i + 8 * v, dt);
             for (int b = 0; b < nb; b++) {
                 const __m256 u_f32x8 = _mm256_broadcast_ss(u + b * ldu + k);
@@ -162,6 +170,7 @@ INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int6
                       const int nb, const float *u, int64_t ldu, const float *scale,
                       float *const *outs, int64_t obase, const int dt) {
     int64_t i = i0;
+    for (; i + 32 <= i1; i += 32) term_tile_(m, ldm, kdim, i, 4, nb, u, ldu, scale, outs, obase, dt);
     for (; i + 16 <= i1; i += 16) term_tile_(m, ldm, kdim, i, 2, nb, u, ldu, scale, outs, obase, dt);
     if (i + 8 <= i1) {
         term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, dt);
