@@ -52,7 +52,7 @@
  *   kernels_strip.h   accumulate_ over term_/term_rows_       (AVX2, AVX-512, NEON)
  *   kernels_read.h    read_ over a small vector vocabulary    (AVX2, AVX-512, NEON)
  *   kernels_tails.h   the scalar tails, fma chains            (AVX2, NEON)
- *   kernels_pairs.h   project_ and term_: positions in pairs  (AVX2, NEON)
+ *   kernels_pairs.h   project_ and term_: positions in pairs  (NEON)
  * while the tiles, their widths, loads and horizontal sums stay in the ISA
  * file, so a reader of one file sees the instructions it runs.
  * and then one line, LORA_KERNEL_TABLE(isa, own_order), which generates, for

@@ -98,16 +98,12 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 
 #include "kernels_tails.h"
 
-/* nr ranks (k .. k+nr) x nb positions; nr in {1, PROJECT_RANKS_} for nb = 2 and in {1,
- * PROJECT_RANKS_, PROJECT_RANKS_SOLO_} for nb = 1: 8 independent chains either way, what
- * two FMA ports of latency 4 need in flight (4 ranks of one position would leave half of
- * them idle) */
-#define PROJECT_RANKS_ 4
-#define PROJECT_RANKS_SOLO_ 8
+/* nr ranks (k .. k+nr) x nb positions, nb in {1, 2}: nr * nb <= 8 independent chains (what
+ * two FMA ports of latency 4 need in flight) + nb x vectors + 1 A vector <= 11 of the 16 ymm */
 INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
                            const int nb, const void *const *xs, float *t, int64_t ldt,
                            const int dt, const int xt) {
-    __m256 acc_f32x8[PROJECT_RANKS_SOLO_][2];
+    __m256 acc_f32x8[8][2];
     for (int r = 0; r < nr; r++)
         for (int b = 0; b < nb; b++) acc_f32x8[r][b] = _mm256_setzero_ps();
     const int64_t body = cols & ~(int64_t)7;
@@ -128,14 +124,37 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, 
     }
 }
 
-/* outputs i .. i + 8*nv of nb positions; nv in {1, 2, 4}, nb in {1, 2}.  Four row vectors
- * give 4 (one position) or 8 (two) independent chains, what two FMA ports of latency 4 need
- * in flight; 2 x 4 block sums, their totals and the operands exceed the 16 ymm registers,
- * but a total is touched once per LORA_KBLOCK FMAs of its block, so its spill is cheap */
+/* ranks [k0, k1) of nb positions, nb in {1, 2} (a constant nb keeps every accumulator in a
+ * register): tiles of 8 / nb ranks (8 chains), then one rank at a time */
+INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                         const int nb, const void *const *xs, float *t, int64_t ldt,
+                         const int dt, const int xt) {
+    const int nr = nb == 1 ? 8 : 4;
+    int64_t k = k0;
+    for (; k + nr <= k1; k += nr) project_tile_(a, lda, cols, k, nr, nb, xs, t, ldt, dt, xt);
+    for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, nb, xs, t, ldt, dt, xt);
+}
+
+/* positions in pairs: 4 positions x 2 ranks per tile measured ~15 % slower than two pairs
+ * of 4 ranks on a Zen 3 (four x rows of a 4096-column layer fill twice the L1) */
+INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                      int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
+                      const int xt) {
+    for (int b = 0; b < nb; b += 2) {
+        if (nb - b >= 2)
+            project_nb_(a, lda, cols, k0, k1, 2, xs + b, t + b * ldt, ldt, dt, xt);
+        else
+            project_nb_(a, lda, cols, k0, k1, 1, xs + b, t + b * ldt, ldt, dt, xt);
+    }
+}
+
+/* outputs i .. i + 8*nv of nb positions, nv * nb <= 8 block chains (8 in flight for two
+ * FMA ports of latency 4; an M load serves nb positions), their running totals (touched
+ * once per LORA_KBLOCK FMAs, so a spill of them is cheap) and the operands */
 INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                         const int nb, const float *u, int64_t ldu, const float *scale,
                         float *const *outs, int64_t obase, const int dt) {
-    __m256 total_f32x8[4][2] = {{_mm256_setzero_ps()}}, block_f32x8[4][2];
+    __m256 total_f32x8[4][LORA_NB] = {{_mm256_setzero_ps()}}, block_f32x8[4][LORA_NB];
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
         for (int v = 0; v < nv; v++)
@@ -169,18 +188,24 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
 INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                       const int nb, const float *u, int64_t ldu, const float *scale,
                       float *const *outs, int64_t obase, const int dt) {
+    const int nv = nb <= 2 ? 4 : 2;
     int64_t i = i0;
-    for (; i + 32 <= i1; i += 32) term_tile_(m, ldm, kdim, i, 4, nb, u, ldu, scale, outs, obase, dt);
-    for (; i + 16 <= i1; i += 16) term_tile_(m, ldm, kdim, i, 2, nb, u, ldu, scale, outs, obase, dt);
-    if (i + 8 <= i1) {
-        term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, dt);
-        i += 8;
-    }
+    for (; i + 8 * nv <= i1; i += 8 * nv)
+        term_tile_(m, ldm, kdim, i, nv, nb, u, ldu, scale, outs, obase, dt);
+    for (; i + 8 <= i1; i += 8) term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, dt);
     /* the same blocked chains, one lane at a time */
     term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, dt);
 }
 
-#include "kernels_pairs.h"
+INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
+                   int64_t obase, const int dt) {
+    switch (nb) {
+    case 1: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 1, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
+    case 2: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 2, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
+    case 3: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 3, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
+    default: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 4, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
+    }
+}
 
 /* [hsum(v0), ..., hsum(v7)]: the fixed hadd / 128-bit-halves tree, so lane l is
  * ((v_l[0]+v_l[1])+(v_l[2]+v_l[3])) + ((v_l[4]+v_l[5])+(v_l[6]+v_l[7])) */

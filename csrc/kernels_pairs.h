@@ -1,17 +1,15 @@
 /*
- * kernels_pairs.h - the loops around the tiles of the AVX2 and NEON paths:
+ * kernels_pairs.h - the loops around the tiles of the NEON path:
  * positions two at a time (a constant pair size keeps every accumulator of a
- * tile in a register), ranks PROJECT_RANKS_ (or PROJECT_RANKS_SOLO_) at a time and then one at a time.
+ * tile in a register), ranks PROJECT_RANKS_ at a time and then one at a time.
  * The tiles themselves, with their instructions, widths and horizontal sums,
  * stay in the ISA file; a path whose tiles take another number of positions
- * writes these loops itself (AVX-512 does: up to 4 positions per tile).
+ * writes these loops itself (AVX-512 and AVX2 do: up to 4 positions per tile).
  *
  * Included by an ISA file inside its target region, after it has defined
- * INLINE_, PROJECT_RANKS_ (and optionally PROJECT_RANKS_SOLO_, ranks per tile of one
- * position, PROJECT_RANKS_ by default) and
+ * INLINE_, PROJECT_RANKS_ and
  *   project_tile_(a, lda, cols, k, nr, nb, xs, t, ldt, dt, xt)
- *       ranks k .. k + nr of nb positions, nr in {1, PROJECT_RANKS_, PROJECT_RANKS_SOLO_},
- *       nb in {1, 2}
+ *       ranks k .. k + nr of nb positions, nr in {1, PROJECT_RANKS_}, nb in {1, 2}
  *   term_nb_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, obase, dt)
  *       one term over outputs [i0, i1) of nb positions, nb in {1, 2}
  * It defines project_() (what LORA_KERNEL_TABLE needs) and term_() (what
@@ -19,10 +17,6 @@
  * element is computed whole by one tile call, whichever pair or rank group
  * it falls in.  No include guard: every file compiles its own copy.
  */
-
-#ifndef PROJECT_RANKS_SOLO_
-#define PROJECT_RANKS_SOLO_ PROJECT_RANKS_
-#endif
 
 INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                       int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
@@ -36,8 +30,6 @@ INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int6
                 project_tile_(a, lda, cols, k, PROJECT_RANKS_, 2, xb, tb, ldt, dt, xt);
             for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 2, xb, tb, ldt, dt, xt);
         } else {
-            for (; k + PROJECT_RANKS_SOLO_ <= k1; k += PROJECT_RANKS_SOLO_)
-                project_tile_(a, lda, cols, k, PROJECT_RANKS_SOLO_, 1, xb, tb, ldt, dt, xt);
             for (; k + PROJECT_RANKS_ <= k1; k += PROJECT_RANKS_)
                 project_tile_(a, lda, cols, k, PROJECT_RANKS_, 1, xb, tb, ldt, dt, xt);
             for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, 1, xb, tb, ldt, dt, xt);
