@@ -14,7 +14,7 @@ from .peftmodel import DECODE as PEFT_DECODE
 from .peftmodel import MIXED_NAME as PEFT_MIXED
 from .peftmodel import overheads
 from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, edge_name, gather_name,
-                        halfact_name, moe_name, prefill_name)
+                        halfact_name, moe_name, prefill_name, stack_name)
 
 DT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "-": "-"}
 
@@ -222,6 +222,9 @@ TARGETS = (
              Speedup("numpy_tuned"), ">=", 2.0, bar="tuned") for s in DECODE_SHAPES),
     *(Target(f"prefill b{n} f32 vs NumPy tuned", Rows("prefill", "float32", prefill_name(n)),
              Speedup("numpy_tuned"), ">=", 1.5, bar="tuned") for n in (128, 512)),
+    Target(f"{stack_name(128)} f32 vs the faster NumPy tuned (per member / concatenated)",
+           Rows("stack", "float32", stack_name(128)), FastestOf(("numpy_tuned", "numpy_cat")), ">=", 1.5,
+           bar="tuned"),
     Target("gather n512 vs NumPy naive", Rows("gather", "float32", gather_name(512)),
            Speedup("numpy_naive"), ">=", 5.0, bar="naive"),
     Target("sweep float32 vs DRAM bandwidth", _SWEEP_F32, FromDram(DramShare()), ">=", 0.8),
@@ -251,7 +254,7 @@ TARGETS = (
            Micros("ours", "delta"), "<=", 2.0),
     Target(f"edge AdapterSet bank b{EDGE_BATCH} - LoraDelta add_batch_to (µs)",
            Rows("edge", "float32", BANK_EDGE_NAME), Micros("set", "delta"), "<=", 2.0),
-    Target("no workload slower than PyTorch", Rows(), SlowestOver(("torch", "torch_f32", "torch_group", "peft"),
+    Target("no workload slower than PyTorch", Rows(), SlowestOver(("torch", "torch_cat", "torch_f32", "torch_group", "peft"),
                                                                   ("gather_einsum",)), ">=", 1.0),
     *(Target(f"{PEFT_DECODE} {DT[d]}: LoRA overhead, accelerate_peft / PEFT", Rows("peft", d, PEFT_DECODE),
              Overhead("peft_unmerged"), "<=", 1 / 3) for d in ("float32", "bfloat16")),

@@ -120,3 +120,59 @@ def torch_baseline(torch, calls, dtype):
                 tm(y, bt, out=z)
                 o.add_(z, alpha=s)
     return Impl(torch_fn)
+
+
+def concatenated(terms):
+    """A stack as one pair, what a careful user builds once: ``A_cat [k·r, cols]`` (the members'
+    A stacked) and ``B_cat [rows, k·r]`` (their B side by side, each scaled by its member's
+    scale), so that ``B_cat (A_cat x) = Σ s_i B_i (A_i x)``: two products instead of 2k."""
+    a_cat = np.ascontiguousarray(np.concatenate([a for a, _, _ in terms], axis=0))
+    b_cat = np.ascontiguousarray(np.concatenate([b * np.float32(s) for _, b, s in terms], axis=1))
+    return a_cat, b_cat
+
+
+def numpy_concat(terms, x, out):
+    """`numpy_tuned` on the `concatenated` pair: ``y = x @ A_cat.T``, ``z = y @ B_cat.T`` into
+    preallocated buffers, ``np.add(out, z, out=out)``."""
+    a_cat, b_cat = concatenated(terms)
+    y = np.empty(x.shape[:-1] + (a_cat.shape[0],), np.float32)
+    z = np.empty(out.shape, np.float32)
+
+    def cat(at=a_cat.T, bt=b_cat.T, x=x, o=out, y=y, z=z, mm=np.matmul, add=np.add):
+        mm(x, at, out=y)
+        mm(y, bt, out=z)
+        add(o, z, out=o)
+    return Impl(cat)
+
+
+def torch_concat(torch, terms, x, out, dtype):
+    """`torch_baseline` on the `concatenated` pair (factors of `dtype`; x and out float32
+    torch tensors): ``y = matmul(x, A_cat.T, out=)`` then ``out.addmm_(y, B_cat.T)`` (decode:
+    ``mv`` and ``addmv_``); factors of a half dtype take a float32 copy of x's product
+    through buffers of that dtype, as `torch_baseline` does."""
+    a_cat, b_cat = (torch.from_numpy(m).to(dtype) for m in concatenated(terms))
+    decode = x.dim() == 1
+    y = torch.empty(tuple(x.shape[:-1]) + (a_cat.shape[0],), dtype=dtype)
+    if dtype == torch.float32:
+        if decode:
+            def cat(a=a_cat, b=b_cat, x=x, o=out, y=y, tm=torch.matmul):
+                tm(a, x, out=y)
+                o.addmv_(b, y)
+        else:
+            def cat(at=a_cat.T, bt=b_cat.T, x=x, o=out, y=y, tm=torch.matmul):
+                tm(x, at, out=y)
+                o.addmm_(y, bt)
+        return Impl(cat)
+    xh, z = torch.empty(tuple(x.shape), dtype=dtype), torch.empty(tuple(out.shape), dtype=dtype)
+    at, bt = (a_cat, b_cat) if decode else (a_cat.T, b_cat.T)
+
+    def cat_half(at=at, bt=bt, x=x, xh=xh, o=out, y=y, z=z, tm=torch.matmul, decode=decode):
+        xh.copy_(x)
+        if decode:
+            tm(at, xh, out=y)
+            tm(bt, y, out=z)
+        else:
+            tm(xh, at, out=y)
+            tm(y, bt, out=z)
+        o.add_(z)
+    return Impl(cat_half)

@@ -71,7 +71,7 @@ def analyse(wl, res, bw, peak, threads, caches, by_key):
             sp[name] = r["median_s"] / t
     twin = by_key.get(wl.key) if wl.dtype != "float32" and wl.key else None
     if twin is not None and "impls" in twin.result:
-        for name in ("numpy_naive", "numpy_tuned", "torch"):
+        for name in ("numpy_naive", "numpy_tuned", "numpy_cat", "torch", "torch_cat"):
             if name in twin.result["impls"]:
                 sp[name + "_f32"] = twin.result["impls"][name]["median_s"] / t
         sp["ours_f32"] = twin.result["impls"]["ours"]["median_s"] / t
