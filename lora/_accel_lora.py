@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _dtypes as dtypes
 from ._entries import EntryTable
-from .accelerate import ServedLayer
+from .accelerate import ServedLayer, hook_reason
 from .delta import LoraDelta
 from .scale import F32_OVERFLOW, LoraScale
 from .stack import LoraStack
@@ -183,12 +183,27 @@ class Layer(ServedLayer):
             for a in names:
                 if any(t.requires_grad for t in self._adapter_tensors(a)):
                     return "autograd is recording (LoRA weights require grad)"
+            if any(p.requires_grad for p in m.get_base_layer().parameters()):
+                return "autograd is recording (the base layer's weights require grad)"
+        hooked = hook_reason(self.acc, self._called(names))
+        if hooked is not None:
+            return hooked
         if self.linear:
             for a in names:
                 drop = m.lora_dropout[a]
                 if drop.training and getattr(drop, "p", 0) > 0:
                     return f"dropout is active for adapter {a!r} (training mode)"
         return None
+
+    def _called(self, names):
+        """``(label, module)`` for the submodules PEFT's forward calls besides the base layer (whose
+        hooks run in ours too): a Linear's lora_dropout, lora_A and lora_B of each adapter; an
+        Embedding calls none (its factors are parameters)."""
+        if not self.linear:
+            return ()
+        m = self.module
+        return tuple((f"{part}[{a!r}]", getattr(m, part)[a]) for a in names
+                     for part in ("lora_dropout", "lora_A", "lora_B"))
 
     def forward(self, x, *args, **kwargs):
         plan = self.plan
@@ -247,9 +262,9 @@ class Layer(ServedLayer):
             result = m.base_layer(x, *args, **kwargs)
             if names:
                 result_dtype_ok = self._active(x, result, names, alora_offsets)
-                if (result_dtype_ok and self.linear and not args and not kwargs
+                if (result_dtype_ok and self.linear and not args and not kwargs and x.dim() > 1
                         and alora_offsets is None and not any(self._is_alora(a) for a in names)):
-                    self.plan = Plan(self, names)
+                    self.plan = Plan(self, names, x.dim())
         if not result_dtype_ok:  # an output dtype the kernels do not write: PEFT computes it
             acc._status[self.name] = f"the layer's output is {result.dtype}"
             kwargs["adapter_names"] = adapter_names
@@ -348,14 +363,15 @@ class Layer(ServedLayer):
 class Plan:
     """A Linear layer's short path: the active plain-LoRA adapters' stack, valid while none of
     what PEFT's forward depends on has moved: the active adapters, disable/merge state, the
-    adapters' modules and parameters (and where their data lives), their scaling, training
-    mode with dropout, and autograd not recording.  Anything else: None, and the full path runs
-    (and may build a new plan)."""
+    adapters' modules (no hooks on them, none global) and parameters (and where their data
+    lives), their scaling, training mode with dropout, autograd not recording, and the input's
+    number of axes.  Anything else: None, and the full path runs (and may build a new plan).
+    The base layer is the module's at each call."""
 
     __slots__ = ("layer", "active", "names", "mods", "params", "ptrs", "scalings", "table",
-                 "base", "dropout_free", "torch", "codes")
+                 "dropout_free", "torch", "codes", "ndim", "hooks")
 
-    def __init__(self, layer, names):
+    def __init__(self, layer, names, ndim):
         m = layer.module
         self.layer = layer
         self.torch = layer.acc._torch
@@ -363,16 +379,17 @@ class Plan:
         self.active = m.__dict__.get("_active_adapter")
         self.names = tuple(names)
         lora_a, lora_b = m._modules["lora_A"]._modules, m._modules["lora_B"]._modules
-        self.mods = tuple((lora_a[a], lora_b[a]) for a in names)
+        drops = m._modules["lora_dropout"]._modules
+        self.mods = tuple((lora_a[a], lora_b[a], drops[a]) for a in names)
         self.params = tuple((ma._parameters["weight"], mb._parameters["weight"])
-                            for ma, mb in self.mods)
+                            for ma, mb, _ in self.mods)
         self.ptrs = tuple((pa.data_ptr(), pb.data_ptr()) for pa, pb in self.params)
         self.scalings = tuple(m.scaling[a] for a in names)
         views = [layer.views[a][1] for a in names]
         self.table = layer.table(views, True)
-        self.base = m._modules["base_layer"]
-        drops = m._modules["lora_dropout"]._modules
         self.dropout_free = all(getattr(drops[a], "p", 0) == 0 for a in names)
+        self.ndim = ndim
+        self.hooks = layer.acc._module_globals
 
     def run(self, x):
         m = self.layer.module
@@ -381,21 +398,29 @@ class Plan:
                 or d.get("merged_adapters") or (m.training and not self.dropout_free)):
             return None
         torch = self.torch
-        if type(x) is not torch.Tensor or not x.is_cpu:
+        if type(x) is not torch.Tensor or not x.is_cpu or x.dim() != self.ndim:
             return None
+        base = m._modules["base_layer"]
         if torch.is_grad_enabled() and (x.requires_grad or any(
-                pa.requires_grad or pb.requires_grad for pa, pb in self.params)):
+                pa.requires_grad or pb.requires_grad for pa, pb in self.params) or any(
+                p.requires_grad for p in base.parameters())):
+            return None
+        g = self.hooks
+        if g._global_forward_hooks or g._global_forward_pre_hooks:
             return None
         lora_a = m._modules["lora_A"]._modules
         lora_b = m._modules["lora_B"]._modules
+        drops = m._modules["lora_dropout"]._modules
         scaling = m.scaling
-        for a, (ma, mb), (pa, pb), (ptr_a, ptr_b), s in zip(self.names, self.mods, self.params,
-                                                            self.ptrs, self.scalings):
-            if (lora_a.get(a) is not ma or lora_b.get(a) is not mb
+        for a, (ma, mb, md), (pa, pb), (ptr_a, ptr_b), s in zip(
+                self.names, self.mods, self.params, self.ptrs, self.scalings):
+            if (lora_a.get(a) is not ma or lora_b.get(a) is not mb or drops.get(a) is not md
+                    or ma._forward_hooks or ma._forward_pre_hooks or mb._forward_hooks
+                    or mb._forward_pre_hooks or md._forward_hooks or md._forward_pre_hooks
                     or ma._parameters["weight"] is not pa or mb._parameters["weight"] is not pb
                     or pa.data_ptr() != ptr_a or pb.data_ptr() != ptr_b or scaling[a] != s):
                 return None
-        result = self.base(x)
+        result = base(x)
         if result.dtype not in self.codes:
             return None
         self.table.apply_batch(x, result)

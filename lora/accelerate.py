@@ -85,9 +85,14 @@ def accelerate_peft(model):
     serve and ``.skipped`` maps the others to the reason (as of the last forward; before any
     forward, as of this call); ``.refresh()`` forgets anything derived from the weights.
 
-    A layer is served while autograd is not recording for it and dropout is inactive, and its
-    adapters are plain LoRA or aLoRA on CPU float32/float16/bfloat16 tensors; otherwise (training,
-    DoRA, ``lora_bias``, other variants and tuners) PEFT's own forward runs for the whole layer.
+    A layer is served while autograd is not recording for it (input, LoRA weights and base layer
+    weights all frozen, or grad disabled), dropout is inactive, no forward hook or pre-hook is
+    registered on the submodules PEFT's forward calls (``lora_A`` / ``lora_B`` /
+    ``lora_dropout`` entries; nor a global module hook), and its adapters are plain LoRA or aLoRA
+    on CPU float32/float16/bfloat16 tensors; otherwise (training, DoRA, ``lora_bias``, other
+    variants and tuners, activation capture) PEFT's own forward runs for the whole layer, and
+    ``skipped`` says why.  Hooks on the layer itself and on its ``base_layer`` run either way.
+    The layer's ``base_layer`` is the one it holds at each call (it may be replaced).
     PEFT's API keeps its meaning: active adapters, ``adapter_names``, aLoRA offsets,
     ``disable_adapter``, merges, ``scaling`` changes and weight changes are read at every call.
 
@@ -110,6 +115,7 @@ class PeftAcceleration:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         self._torch = torch
+        self._module_globals = torch.nn.modules.module  # where torch keeps global module hooks
         self._lora_layer_type = lora_layer.LoraLayer
         self._tuner_layer_type = BaseTunerLayer
         self._kinds = _layer_kinds(self)
@@ -219,6 +225,21 @@ def _layer_kinds(acc):
     from . import _accel_lora
 
     return (_accel_lora.Kind(acc),)
+
+
+def hook_reason(acc, modules):
+    """Why a served layer must leave this call to PEFT's forward because torch would run hooks
+    in it that the kernels skip: a global module forward hook, or a forward hook or pre-hook on
+    one of ``modules`` (``(label, module)`` pairs: the submodules PEFT's forward calls, such as
+    ``lora_A['a']``); None when none is registered.  A few dict truth tests, so every call can
+    ask: the layer is served again once the hooks are removed."""
+    g = acc._module_globals
+    if g._global_forward_hooks or g._global_forward_pre_hooks:
+        return "global module forward hooks are registered (PEFT's forward runs them)"
+    for label, mod in modules:
+        if mod._forward_hooks or mod._forward_pre_hooks:
+            return f"{label} has forward hooks (PEFT's forward runs while they are registered)"
+    return None
 
 
 class ServedLayer:

@@ -380,3 +380,114 @@ def test_a_scaling_not_finite_in_float32_falls_back_to_peft():
         logits(model, x)
         assert "not finite in float32" in acc.skipped[
             "base_model.model.model.layers.0.self_attn.q_proj"]
+
+
+def q_proj(model, layer=0):
+    return model.base_model.model.model.layers[layer].self_attn.q_proj
+
+
+def test_a_replaced_base_layer_is_used_at_the_next_call():
+    model = peft_model(seed=11)
+    model.set_adapter("a")
+    q = q_proj(model)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
+    old = q.base_layer
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        q(x)
+        q(x)  # the short path is in use
+        torch.manual_seed(12)
+        q.base_layer = torch.nn.Linear(64, 64, bias=False)
+        got = q(x)
+        assert "base_model.model.model.layers.0.self_attn.q_proj" in acc.accelerated
+    with torch.no_grad():
+        close(got, q(x), "after replacing base_layer")
+        assert not torch.allclose(old(x), q.base_layer(x))
+
+
+def test_hooks_on_lora_submodules_fall_back_while_registered():
+    model = peft_model(seed=13)
+    model.set_adapter("a")
+    q = q_proj(model)
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    x = ids()
+    calls = []
+
+    def zero_b(module, args, output):  # an activation-patching hook: zero lora_B's output
+        calls.append(module)
+        return torch.zeros_like(output)
+
+    with torch.no_grad():
+        plain = logits(model, x)
+        handle = q.lora_B["a"].register_forward_hook(zero_b)
+        ref = logits(model, x)
+        handle.remove()
+        assert not torch.allclose(ref, plain)
+        with lora.accelerate_peft(model) as acc:
+            logits(model, x)
+            logits(model, x)  # the short path is in use
+            assert name in acc.accelerated
+            calls.clear()
+            handle = q.lora_B["a"].register_forward_hook(zero_b)
+            got = logits(model, x)
+            assert len(calls) == 1 and "lora_B['a']" in acc.skipped[name]
+            close(got, ref, "with the hook")
+            handle.remove()
+            close(logits(model, x), plain, "hook removed")
+            assert name in acc.accelerated
+            for part in ("lora_A", "lora_dropout"):  # pre-hooks on the other submodules
+                seen = []
+                handle = getattr(q, part)["a"].register_forward_pre_hook(
+                    lambda mod, args: seen.append(mod))
+                logits(model, x)
+                handle.remove()
+                assert len(seen) == 1 and part in acc.skipped[name]
+            seen = []
+            handle = torch.nn.modules.module.register_module_forward_hook(
+                lambda mod, args, out: seen.append(mod))
+            logits(model, x)
+            handle.remove()
+            assert q.lora_A["a"] in seen and "global" in acc.skipped[name]
+            logits(model, x)
+            assert not acc.skipped
+
+
+def test_a_1d_input_after_a_batched_call():
+    model = peft_model(seed=14)
+    model.set_adapter("a")
+    q = q_proj(model)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 5, 64, generator=g), torch.randn(64, generator=g),
+          torch.randn(3, 64, generator=g), torch.randn(64, generator=g),
+          torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)]
+    with torch.no_grad():
+        ref = [q(x) for x in xs]
+        with lora.accelerate_peft(model) as acc:
+            got = [q(x) for x in xs]
+            assert "base_model.model.model.layers.0.self_attn.q_proj" in acc.accelerated
+    for r, o in zip(ref, got):
+        assert r.shape == o.shape
+        close(o, r, f"input {tuple(r.shape)}")
+
+
+def test_a_trainable_base_embedding_falls_back_under_autograd():
+    model = peft_model(seed=15)
+    model.set_adapter("c")  # on embed_tokens, lm_head and gate_proj
+    embed = model.base_model.model.model.embed_tokens
+    for n, p in model.named_parameters():  # frozen LoRA, a trainable base embedding
+        p.requires_grad_(False)
+    embed.base_layer.weight.requires_grad_(True)
+    x = ids()
+    ref = logits(model, x)
+    ref.sum().backward()
+    ref_grad = embed.base_layer.weight.grad.clone()
+    embed.base_layer.weight.grad = None
+    with lora.accelerate_peft(model) as acc:
+        got = logits(model, x)
+        got.sum().backward()
+        assert "autograd" in acc.skipped["base_model.model.model.embed_tokens"]
+    close(got.detach(), ref.detach())
+    assert torch.allclose(embed.base_layer.weight.grad, ref_grad, rtol=1e-5, atol=1e-6)
+    embed.base_layer.weight.requires_grad_(False)
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        logits(model, x)
+        assert "base_model.model.model.embed_tokens" in acc.accelerated
