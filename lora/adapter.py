@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import _dtypes as dtypes
+from ._byvalue import ByValue
 from .delta import LoraDelta, peft_delta
 from .experts import LoraExperts
 from .errors import LoraFormatError, LoraShapeError
@@ -94,7 +95,15 @@ def llama_rope_permutation(n, heads):
     return np.arange(n).reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(n)
 
 
-class LoraAdapter(Mapping):
+def _restore(deltas, name, alpha, scale, invocation_tokens, peft_zero_alpha):
+    """Unpickling (and deep copies): see `LoraAdapter._parts`."""
+    adapter = LoraAdapter(deltas, name=name, alpha=alpha, scale=scale,
+                          invocation_tokens=invocation_tokens)
+    adapter._peft_zero_alpha = frozenset(k for k in peft_zero_alpha if k in adapter)
+    return adapter
+
+
+class LoraAdapter(ByValue, Mapping):
     """One loaded adapter: a read-only Mapping from the file's own base names to `LoraDelta` (or
     `LoraExperts`, for the routed experts of a mixture-of-experts layer).
 
@@ -112,6 +121,10 @@ class LoraAdapter(Mapping):
     Built by `load_peft` / `load_gguf`; it can also wrap deltas built by hand, which must all share
     ``scale`` (else ``ValueError``); ``invocation_tokens`` is None or a sequence of non-negative
     int token ids (``TypeError`` / ``ValueError`` otherwise; an empty one means plain LoRA).
+
+    Pickling and ``copy.deepcopy`` keep every delta by value, the name, alpha, invocation
+    tokens and the one `LoraScale` every delta shares (shared again after loading);
+    ``copy.copy`` is a new adapter of the same deltas and LoraScale.
     """
 
     __slots__ = ("_deltas", "_name", "_alpha", "_scale", "_invocation_tokens", "_peft_zero_alpha")
@@ -135,6 +148,11 @@ class LoraAdapter(Mapping):
         self._invocation_tokens = _invocation_tokens(invocation_tokens)
         # targets built under PEFT's alpha-0 rule (a zero delta; see build_adapter)
         self._peft_zero_alpha = frozenset()
+
+    def _parts(self):
+        """By value (lora._byvalue): the deltas by name, name, alpha, LoraScale, tokens."""
+        return _restore, (dict(self._deltas), self._name, self._alpha, self._scale,
+                          self._invocation_tokens, tuple(self._peft_zero_alpha))
 
     # Mapping protocol
     def __getitem__(self, name):

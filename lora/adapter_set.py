@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import experts as _experts
+from ._byvalue import ByValue
 from .bank import need_ids
 from ._entries import EntryTable, entry_types, owners
 from .errors import LoraShapeError
@@ -68,7 +69,26 @@ def _check_adapter(name, adapter):
                             f"{type(entry).__name__}, not a LoraDelta or LoraExperts")
 
 
-class AdapterSet:
+def _restore(slots):
+    """Unpickling (and deep copies): a set with these slots (None = free), each adapter checked
+    as `AdapterSet.add` checks it."""
+    new = AdapterSet()
+    made = []
+    for s in slots:
+        if s is not None:
+            name, adapter = s
+            _check_adapter(name, adapter)
+            snap = _Snapshot(made)
+            if name in snap.index:
+                raise ValueError(f"adapter name {name!r} is in two slots")
+            new._agree(snap, name, adapter)
+            s = (name, adapter)
+        made.append(s)
+    new._snap = _Snapshot(made)
+    return new
+
+
+class AdapterSet(ByValue):
     """Named adapters over one base model, each in a stable slot, for mixed batches.
 
     ``AdapterSet(adapters=None)``: an optional ``{name: LoraAdapter}``, added in order.
@@ -94,7 +114,15 @@ class AdapterSet:
     unchanged.  Changes are serialised and may run
     while other threads are inside bank calls: each call uses the set as it was at one instant,
     and an adapter's memory stays valid until every call that uses it has returned.
+
+    Pickling and ``copy.deepcopy`` keep the slots (free ones included, so slot ids keep their
+    meaning) and every adapter by value; ``copy.copy`` is a new set of the same adapters in the
+    same slots, changed independently of this one from then on.
     """
+
+    def _parts(self):
+        """By value (lora._byvalue): the slots, ``(name, adapter)`` or None."""
+        return _restore, (list(self._snap.slots),)
 
     def __init__(self, adapters=None):
         self._lock = threading.Lock()

@@ -1,12 +1,13 @@
 """`LoraBank`: a different adapter for every position of one batch (BGMV/SGMV on the CPU)."""
 
 from . import experts as _experts
+from ._byvalue import ByValue
 from ._entries import EntryTable
 
 __all__ = ["LoraBank"]
 
 
-class LoraBank:
+class LoraBank(ByValue):
     """Adapter slots for mixed batches: position ``b`` gets ``entries[adapter_ids[b]]``.
 
     ``LoraBank(entries)``: each entry a ``LoraDelta``, a ``LoraStack`` or ``None`` (no adapter),
@@ -20,9 +21,16 @@ class LoraBank:
     depend on the batch's composition or order.  ``-1`` means no adapter (it never wraps to the
     last slot); any other id outside ``[0, len)`` is an ``IndexError`` naming the id and its
     position, raised before anything is written.
+
+    Pickling and ``copy.deepcopy`` keep the entries by value (one delta or `LoraScale` in
+    several places stays one); ``copy.copy`` is a new bank of the same entries.
     """
 
     __slots__ = ("_table",)
+
+    def _parts(self):
+        """By value (lora._byvalue): the entries, in slot order."""
+        return LoraBank, (list(self._table.entries),)
 
     def __init__(self, entries):
         self._table = EntryTable(entries, "bank entry", routed=True)

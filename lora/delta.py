@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dtypes as dtypes
+from ._byvalue import ByValue, same_slots
 from ._dispatch import (CHARS, INT64S, NULL, fast_code, from_buffer, ndarray, rows_args,
                         run_batch, run_vec)
 from ._entries import Member, entry_type
@@ -106,8 +107,30 @@ def peft_delta(a, b, *, alpha, rslora=False, scale=1.0, dtype="float32"):
 
 
 
+def _restore(a_bits, b_bits, dtype, alpha, rslora, factor, scale):
+    """Unpickling (and deep copies): a delta from its stored bits (see `LoraDelta._parts`)."""
+    return LoraDelta._from_bits(a_bits, b_bits, dtype, alpha, rslora, factor, scale)
+
+
+def check_bits(a_bits, b_bits, dtype, a_ndim=2):
+    """The stored bit arrays of a pickle, checked as a constructor checks its factors (a corrupt
+    pickle is a ValueError, never a read past a buffer): NumPy arrays of ``dtype``'s bit width,
+    ``a [..., rank, cols]`` and ``b [..., rows, rank]`` with every dimension at least 1; returns
+    them C-contiguous."""
+    name = dtypes.storage_name(dtype)
+    bits = dtypes.BY_NAME[name].bits
+    if (type(a_bits) is not np.ndarray or type(b_bits) is not np.ndarray
+            or a_bits.dtype != bits or b_bits.dtype != bits or a_bits.ndim != a_ndim
+            or b_bits.ndim != a_ndim or a_bits.shape[:-2] != b_bits.shape[:-2]
+            or a_bits.shape[-2] != b_bits.shape[-1] or 0 in a_bits.shape or 0 in b_bits.shape):
+        raise ValueError(f"not the stored factors of a {name} LoRA pair: "
+                         f"{getattr(a_bits, 'shape', a_bits)!r} / "
+                         f"{getattr(b_bits, 'shape', b_bits)!r}")
+    return np.ascontiguousarray(a_bits), np.ascontiguousarray(b_bits)
+
+
 @entry_type(stackable=True)
-class LoraDelta:
+class LoraDelta(ByValue):
     """One LoRA pair: adds ``effective_scale * B (A x)`` into a caller's output, in place.
 
     ``LoraDelta(a, b, *, alpha=0.0, scale=1.0, rslora=False, base_shape=None, dtype="float32")``
@@ -125,6 +148,11 @@ class LoraDelta:
     non-float array, ``ValueError`` for non-finite values or alpha, or values that overflow the
     storage dtype.  Compute is float32 in every case; results are deterministic for one ISA path
     and dtype, identical for every thread count and batch size.
+
+    Pickling keeps the stored factors (bit for bit), dtype, alpha, rsLoRA, the alpha factor and
+    the `LoraScale` (one shared with other objects of one pickle stays shared); a delta over a
+    caller's memory pickles its current values.  ``copy.copy`` shares the storage and the
+    LoraScale; ``copy.deepcopy`` owns new ones.
     """
 
     __slots__ = ("_ptr", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype", "_scale",
@@ -200,6 +228,33 @@ class LoraDelta:
         self._xshape, self._oshape = (cols,), (rows,)
         self._keep = None
         return self
+
+    @classmethod
+    def _from_bits(cls, a_bits, b_bits, dtype, alpha, rslora, factor, scale):
+        """A delta owning a copy of stored bits ``a [rank, cols]``, ``b [rows, rank]``
+        (package-internal: unpickling), checked first (`check_bits`)."""
+        a_bits, b_bits = check_bits(a_bits, b_bits, dtype)
+        name = dtypes.storage_name(dtype)
+        alpha = check_alpha(alpha, rslora)
+        if not isinstance(scale, LoraScale):
+            raise TypeError(f"scale must be a LoraScale; got {type(scale).__name__}")
+        factor = check_alpha(factor, False)
+        (rank, cols), rows = a_bits.shape, b_bits.shape[0]
+        ptr = lib.lora_delta_new(dtypes.CODES[name], rank, rows, cols, from_buffer(a_bits),
+                                 from_buffer(b_bits))
+        if ptr == ffi.NULL:
+            raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
+        return cls._adopt(ptr, rank, rows, cols, alpha=alpha, rslora=bool(rslora), dtype=name,
+                          scale=scale, alpha_factor=factor)
+
+    def _parts(self):
+        """By value (lora._byvalue): the stored bits, dtype, alpha, rsLoRA, factor, LoraScale."""
+        a, b = self.lora_weights()
+        bits = dtypes.BY_NAME[self._dtype].bits
+        return _restore, (a.view(bits), b.view(bits), self._dtype, self._alpha, self._rslora,
+                          self._alpha_factor, self._scale)
+
+    _shallow = same_slots  # the same storage (never written after construction), same LoraScale
 
     def _init(self, a, b, rank, rows, cols, alpha, scale, rslora, dtype):
         name = dtypes.storage_name(dtype)

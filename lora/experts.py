@@ -13,19 +13,19 @@ pair's row is bit-identical to ``expert(e).add_to`` on it alone.  The way to the
 the same function, `apply_experts`, with adapter ids.
 """
 
-import copy
 import operator
 
 import numpy as np
 
 from . import _arrays as arrays
 from . import _dtypes as dtypes
+from ._byvalue import ByValue
 from ._dispatch import (CHARS, ERR_ALIGN, INT64S, NULL, fast_code, from_buffer, ndarray,
                         run_batch)
 from ._entries import EntryTable, Member, entry_type, with_scales
 from ._lora_cffi import ffi, lib
 from ._merge import finite_scale, merge_
-from .delta import LoraDelta, alpha_factor, check_alpha
+from .delta import LoraDelta, alpha_factor, check_alpha, check_bits
 from .errors import LoraShapeError
 from .scale import LoraScale
 
@@ -72,12 +72,12 @@ def _pair_error(a, b):
 
 
 def _restore(a_bits, b_bits, dtype, alpha, rslora, factor, scale):
-    """Unpickling: experts from their stored bits (see `LoraExperts.__reduce__`)."""
+    """Unpickling: experts from their stored bits (see `LoraExperts._parts`)."""
     return LoraExperts._from_bits(a_bits, b_bits, dtype, alpha, rslora, factor, scale)
 
 
 @entry_type
-class LoraExperts:
+class LoraExperts(ByValue):
     """LoRA on ``n_experts`` routed experts: adds ``s * B_e (A_e x)`` for the routed pairs only.
 
     ``LoraExperts(a, b, *, alpha=0.0, scale=1.0, rslora=False, dtype="float32")``
@@ -120,9 +120,12 @@ class LoraExperts:
 
     @classmethod
     def _from_bits(cls, a_bits, b_bits, dtype, alpha, rslora, factor, scale):
+        a_bits, b_bits = check_bits(a_bits, b_bits, dtype, a_ndim=3)
+        if not isinstance(scale, LoraScale):
+            raise TypeError(f"scale must be a LoraScale; got {type(scale).__name__}")
         self = cls.__new__(cls)
-        self._build(np.ascontiguousarray(a_bits), np.ascontiguousarray(b_bits), dtype, alpha,
-                    rslora, factor, scale)
+        self._build(a_bits, b_bits, dtypes.storage_name(dtype), check_alpha(alpha, rslora),
+                    bool(rslora), check_alpha(factor, False), scale)
         return self
 
     @classmethod
@@ -231,21 +234,18 @@ class LoraExperts:
         got = [d.lora_weights() for d in self._experts]
         return np.stack([a for a, _ in got]), np.stack([b for _, b in got])
 
-    def __reduce__(self):
+    def _parts(self):
+        """By value (lora._byvalue): the stored bits, dtype, alpha, rsLoRA, factor, LoraScale."""
         a, b = self.lora_weights()
         bits = dtypes.BY_NAME[self._dtype].bits
         return _restore, (a.view(bits), b.view(bits), self._dtype, self._alpha, self._rslora,
                           self._alpha_factor, self._scale)
 
-    def __copy__(self):
+    def _shallow(self):  # the same experts' storage and LoraScale
         new = type(self).__new__(type(self))
         new._set(self._experts, self._alpha, self._rslora, self._dtype, self._scale,
                  self._alpha_factor)
         return new
-
-    def __deepcopy__(self, memo):
-        fn, args = self.__reduce__()
-        return fn(*args[:-1], copy.deepcopy(self._scale, memo))
 
     # ------------------------------------------------------------ apply
     def add_to(self, x, out, expert_ids):

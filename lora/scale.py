@@ -54,6 +54,9 @@ class LoraScale:
 
     value = property(get, set, doc="The current scale (float); setting it validates as `set`.")
 
+    def __reduce__(self):  # pickles and copies: a new LoraScale of the same value
+        return LoraScale, (self._value,)
+
     def __float__(self):
         return self._value
 

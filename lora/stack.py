@@ -5,6 +5,7 @@ import weakref
 import numpy as np
 
 from . import _arrays as arrays
+from ._byvalue import ByValue
 from ._entries import EntryTable, entry_type, owners, stackable_types
 from ._merge import finite_scale, merge_, shapeless_w
 from .errors import LoraShapeError
@@ -15,7 +16,7 @@ _ndarray = np.ndarray
 
 
 @entry_type
-class LoraStack:
+class LoraStack(ByValue):
     """Several deltas of one ``rows x cols`` base applied as one: their sum, in order.
 
     ``LoraStack(deltas=())``; ``.append(d)``; ``len``, iteration, ``stack[i]`` (the very objects
@@ -24,6 +25,9 @@ class LoraStack:
     read once per block, ``out`` written once); a half-precision ``out`` gets the float32 result
     rounded once, not once per delta.  A delta whose effective scale is 0 is skipped; an empty
     stack adds nothing.  A delta of another shape: ``LoraShapeError``.
+
+    Pickling and ``copy.deepcopy`` keep the deltas by value (as `LoraDelta`'s; one delta or
+    `LoraScale` in several places stays one); ``copy.copy`` is a new stack of the same deltas.
     """
 
     __slots__ = ("_deltas", "_owners", "_table", "__weakref__")
@@ -51,6 +55,10 @@ class LoraStack:
         self._deltas = self._deltas + [delta]
         for table in list(self._owners):
             table.stale = True
+
+    def _parts(self):
+        """By value (lora._byvalue): the deltas, in order."""
+        return LoraStack, (list(self._deltas),)
 
     # ------------------------------------------------------------ entry protocol
     def _kernel_entries(self):
