@@ -108,7 +108,10 @@ def build_flags():
     # -ffp-contract=off: no multiply-add is fused unless a kernel says so, so
     # each path's summation order is the one its file header writes down.
     compile_args = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
-    return compile_args + omp_compile + extra, ["-pthread"] + omp_link + extra
+    # -ldl: dladdr/dlsym (team.c finds the OpenMP runtime's fork-time release); part of libc
+    # from glibc 2.34, its own library before
+    dl = ["-ldl"] if sys.platform.startswith("linux") else []
+    return compile_args + omp_compile + extra, ["-pthread"] + omp_link + dl + extra
 
 
 ffibuilder = FFI()

@@ -65,6 +65,7 @@ int lora_openmp(void);                  /* 1 when built with OpenMP */
 void lora_set_num_threads(int n);       /* n >= 1: a process-wide cap; 0 removes it */
 int lora_get_num_threads(void);         /* min(cap, omp_get_max_threads()) right now */
 int lora_probe_threads(void);           /* team size a call would run with right now */
+int lora_fork_releases_pool(void);      /* 1 when fork() releases the OpenMP pool first */
 /* the adaptive team policy (team.c): a call of `work` multiply-adds opens a
  * team only from lora_team_min_work() and while no back-off is running; every
  * team call reports its wall time and its threads' summed compute time */

@@ -1,17 +1,21 @@
 /*
  * team.c - how many threads a call may use: the process-wide cap, OpenMP's
- * limits, the child-after-fork flag (a GNU OpenMP pool does not survive
- * fork()), the monotonic timer, and the adaptive team policy that decides
+ * limits, fork() (the OpenMP pool released before it, the child-after-fork
+ * flag), the monotonic timer, and the adaptive team policy that decides
  * whether a call opens a parallel region at all.  Only timing decides here,
  * never the bits: every thread count gives the same results (the drivers
  * split outputs, never one sum).  Which ISA path runs is isa.c's.
  */
+#if !defined(_WIN32) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* dladdr */
+#endif
 #include "internal.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 #if !defined(_WIN32)
+#include <dlfcn.h>
 #include <pthread.h>
 #include <time.h>
 #endif
@@ -20,6 +24,53 @@ static volatile int g_thread_cap = 0; /* 0 = none; set from Python, read per cal
 static volatile int g_forked = 0;     /* set in a child after fork() */
 
 int lora_forked(void) { return g_forked; }
+
+/* fork() and the OpenMP pool.  GNU libgomp keeps, per thread that opened a
+ * parallel region, a pool of worker threads that fork() does not copy; a
+ * child then waits forever for them at its first parallel region, whoever
+ * opens it (torch's wheel ships a libgomp that torch and this library share,
+ * so one threaded call of either in the parent hung torch's next threaded op
+ * in the child).  Before fork(), the prepare handler releases the forking
+ * thread's pool with OpenMP 5.0's omp_pause_resource_all (libgomp since GCC
+ * 9, LLVM's libomp since 8; hard: the threads exit), so the child starts
+ * without one and a parallel region there makes new threads.  The function is
+ * looked up in the runtime this library is linked to (found through
+ * omp_get_max_threads), so an older runtime without it only loses this: the
+ * parent's next team call starts its threads again (~0.1 ms).  The child
+ * still runs this library's calls on one thread (g_forked): a pool of
+ * another thread of the parent, busy at the fork, is not the forking
+ * thread's to release. */
+#if defined(_OPENMP) && !defined(_WIN32)
+/* by value, not omp.h's enum: GCC 12 implements it but its omp.h may predate
+ * the enum elsewhere (_OPENMP stays 201511); the values are the standard's */
+#define LORA_OMP_PAUSE_HARD_ 2 /* omp_pause_hard */
+typedef int (*lora_pause_fn_)(int);
+static lora_pause_fn_ g_omp_pause = NULL;
+
+static void lora_before_fork_(void) {
+    if (g_omp_pause != NULL && omp_get_level() == 0) (void)g_omp_pause(LORA_OMP_PAUSE_HARD_);
+}
+
+static void lora_find_omp_pause_(void) {
+    Dl_info info;
+    if (dladdr((void *)&omp_get_max_threads, &info) == 0 || info.dli_fname == NULL) return;
+    void *runtime = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD); /* loaded: a reference */
+    if (runtime == NULL) return;
+    g_omp_pause = (lora_pause_fn_)dlsym(runtime, "omp_pause_resource_all");
+}
+#define LORA_BEFORE_FORK_ lora_before_fork_
+#else
+#define LORA_BEFORE_FORK_ NULL
+#define lora_find_omp_pause_() ((void)0)
+#endif
+
+int lora_fork_releases_pool(void) {
+#if defined(_OPENMP) && !defined(_WIN32)
+    return g_omp_pause != NULL;
+#else
+    return 0;
+#endif
+}
 
 #if !defined(_WIN32)
 static void lora_after_fork_child_(void) { g_forked = 1; }
@@ -30,7 +81,8 @@ __attribute__((constructor))
 #endif
 static void lora_team_init_(void) {
 #if !defined(_WIN32)
-    pthread_atfork(NULL, NULL, lora_after_fork_child_);
+    lora_find_omp_pause_();
+    pthread_atfork(LORA_BEFORE_FORK_, NULL, lora_after_fork_child_);
 #endif
 }
 

@@ -131,13 +131,16 @@ def thread_policy():
 def kernel_info():
     """What the extension runs on: a dict with ``isa`` (the path in use), ``available_isas``,
     ``openmp`` (bool), ``threads`` (``get_num_threads()``, the most a call uses),
-    ``thread_policy`` (``thread_policy()``), ``compiler`` and ``version``."""
+    ``thread_policy`` (``thread_policy()``), ``fork_safe_openmp`` (bool: ``fork()`` releases the
+    forking thread's OpenMP pool first, so a threaded op of any library sharing the runtime works
+    in the child; see docs/guarantees.md), ``compiler`` and ``version``."""
     return {
         "isa": isa(),
         "available_isas": available_isas(),
         "openmp": bool(lib.lora_openmp()),
         "threads": get_num_threads(),
         "thread_policy": thread_policy(),
+        "fork_safe_openmp": bool(lib.lora_fork_releases_pool()),
         "compiler": ffi.string(lib.lora_compiler()).decode("ascii", "replace"),
         "version": __version__,
     }

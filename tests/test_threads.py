@@ -477,3 +477,117 @@ def test_fork_after_openmp_work_child_finishes(mode, tmp_path):
         pytest.fail(f"the fork stress process hung past {timeout + 30} s: {exc.stdout!r}")
     assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout: {proc.stdout}\n"
                                   f"stderr: {proc.stderr[-3000:]}")
+
+
+_TORCH_FORK_SCRIPT = textwrap.dedent(r"""
+    import multiprocessing, os, signal, sys, time
+    FIRST, WORK, HOW = sys.argv[1:4]
+    if FIRST == "torch":   # which import loads the OpenMP runtime the two then share
+        import torch
+        import lora
+    else:
+        import lora
+        import torch
+    import numpy as np
+    from lora._lora_cffi import ffi, lib
+
+    rng = np.random.default_rng(0)
+    d = lora.LoraDelta(rng.standard_normal((16, 2048)), rng.standard_normal((2048, 16)))
+    x = rng.standard_normal((64, 2048)).astype(np.float32)
+    ref = d.add_batch_to(x, np.zeros((64, 2048), np.float32))
+
+    def torch_op():    # threaded in torch: a matmul and an element-wise op over many elements
+        a = torch.randn(768, 768, generator=torch.Generator().manual_seed(0))
+        return float((a @ a).sum()) + float(torch.relu(torch.randn(1 << 21)).sum())
+
+    if "lora" in WORK:
+        lib.lora_team_reset()
+        for _ in range(4):
+            d.add_batch_to(x, np.zeros((64, 2048), np.float32))
+        calls, lost = ffi.new("int64_t *"), ffi.new("int64_t *")
+        lib.lora_team_stats(calls, lost)
+        if calls[0] < 1:
+            print("the parent's lora calls opened no OpenMP team", flush=True)
+            sys.exit(5)
+    if "torch" in WORK:
+        torch_op()
+
+    def child():
+        got = torch_op()
+        out = d.add_batch_to(x, np.zeros((64, 2048), np.float32))
+        tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 2
+        return got, np.array_equal(out, ref), torch.get_num_threads(), tasks
+
+    TIMEOUT = 30.0
+    if HOW == "pool":   # multiprocessing's fork start method, as a worker pool uses it
+        pool = multiprocessing.get_context("fork").Pool(1)
+        res = pool.apply_async(child)
+        try:
+            got, same, threads, tasks = res.get(TIMEOUT)
+        except multiprocessing.TimeoutError:
+            print("the pool worker hung in a threaded torch op", flush=True)
+            pool.terminate()
+            sys.exit(3)
+        pool.close()
+        pool.join()
+    else:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                got, same, threads, tasks = child()
+                os.write(w, f"{same} {threads} {tasks}".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                print("the forked child hung in a threaded torch op", flush=True)
+                sys.exit(3)
+            time.sleep(0.02)
+        if os.waitstatus_to_exitcode(st) != 0:
+            print(f"the child exited with {os.waitstatus_to_exitcode(st)}", flush=True)
+            sys.exit(4)
+        same, threads, tasks = os.read(r, 100).decode().split()
+        same, threads, tasks = same == "True", int(threads), int(tasks)
+    if not same:
+        print("the child's lora call gave other bits", flush=True)
+        sys.exit(6)
+    if threads < 2 or tasks < 2:   # the child's torch op must have run on a team
+        print(f"the child's torch op was not threaded ({threads} threads, {tasks} tasks)")
+        sys.exit(7)
+    torch_op()   # the parent's pools still work
+    print("ok", flush=True)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork()")
+@pytest.mark.parametrize("first", ["torch", "lora"], ids=["torch-imported-first",
+                                                          "lora-imported-first"])
+@pytest.mark.parametrize("work,how", [("lora", "fork"), ("torch", "fork"), ("lora+torch", "pool")])
+def test_threaded_torch_op_in_a_child_forked_after_threaded_calls(first, work, how, tmp_path):
+    """A child forked after threaded lora (or torch) calls runs a threaded torch op (and a lora
+    call) instead of hanging: fork() releases the forking thread's OpenMP pool first.  Each run
+    is a subprocess under a timeout, so a hang fails the test instead of hanging pytest."""
+    pytest.importorskip("torch")
+    if not (lora.kernel_info()["openmp"] and TWO):
+        pytest.skip("needs an OpenMP build and two threads")
+    assert lora.kernel_info()["fork_safe_openmp"]
+    script = tmp_path / "torch_fork.py"
+    script.write_text(_TORCH_FORK_SCRIPT)
+    env = subprocess_env(OMP_NUM_THREADS=2)
+    try:
+        proc = subprocess.run([PYTHON, str(script), first, work, how], env=env,
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the fork harness itself hung: {exc.stdout!r}")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+        f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr[-3000:]}")
