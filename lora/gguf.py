@@ -163,8 +163,10 @@ def load_gguf(path, *, scale=1.0, dtype=None):
 
     The file must have ``general.type == "adapter"`` and ``adapter.type == "lora"``; alpha is
     ``adapter.lora.alpha`` (missing = 0, meaning factor 1).  Tensors ``<base>.lora_a`` /
-    ``<base>.lora_b`` pair up by base name (``blk.3.attn_q.weight``); ``*_norm.weight`` tensors are
-    skipped with one ``UserWarning`` and any other name is refused, as llama.cpp
+    ``<base>.lora_b`` pair up by base name, which becomes the target whatever it is (llama.cpp's
+    converter writes model tensor names, ``blk.3.attn_q.weight``; only a model can tell a name it
+    lacks: `LoraAdapter.check_base`); ``*_norm.weight`` tensors are skipped with one
+    ``UserWarning`` and a tensor with any other suffix is refused, as llama.cpp
     (``llama-adapter.cpp``) does.  Linear: ``lora_a`` ``ne = [n_in, r]`` and ``lora_b``
     ``ne = [r, n_out]`` are A ``[r, n_in]`` and B ``[n_out, r]`` as stored.  ``token_embd.weight``
     is flipped upstream: ``lora_a`` ``ne = [r, n_vocab]`` is the per-token table and becomes B

@@ -1185,6 +1185,23 @@ def test_gguf_refuses_unknown_tensors(tmp_path, name):
     _assert_format_error(lambda: load_gguf(path), path, name, "unknown tensor")
 
 
+def test_gguf_base_names_are_what_precedes_the_suffix(tmp_path):
+    """A pair ``foo.lora_a`` / ``foo.lora_b`` targets ``foo`` (the file cannot know a model's
+    names, as llama.cpp's parser does not); a model's shapes refuse it through check_base."""
+    rng = np.random.default_rng(41)
+    tensors = _gguf_ok(rng) + af.gguf_linear(rng, "foo", 8, 16, 2)
+    path = af.write_gguf(tmp_path / "foo.gguf", tensors)
+    adapter = load_gguf(path)
+    assert list(adapter) == ["blk.0.attn_q.weight", "token_embd.weight", "foo"]
+    assert adapter["foo"].base_shape == (8, 16) and adapter["foo"].rank == 2
+    a, _ = adapter["foo"].lora_weights()
+    np.testing.assert_array_equal(a, tensors[-2][1])
+    shapes = {"blk.0.attn_q.weight": (24, 16), "token_embd.weight": (40, 16)}
+    with pytest.raises(lora.LoraShapeError, match="'foo'.*missing from the base shapes"):
+        adapter.check_base(shapes)
+    adapter.check_base(dict(shapes, foo=(8, 16)))
+
+
 @pytest.mark.parametrize("lead", [(2,), (1, 2), (3, 1)])
 def test_gguf_refuses_a_factor_with_an_extra_dimension(tmp_path, lead):
     tensors = [("blk.0.attn_q.weight.lora_a", np.ones(lead + (4, 16), np.float32), None),
