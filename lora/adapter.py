@@ -28,19 +28,24 @@ from .scale import F32_OVERFLOW, LoraScale
 __all__ = ["LoraAdapter"]
 
 
-def _int_arg(value, what, minimum):
-    """``value`` as an int >= ``minimum``: an int or NumPy integer, not a bool (TypeError), not
-    below ``minimum`` (ValueError); the messages name ``what``."""
+# Token ids are int64 wherever they are used (NumPy and torch id arrays): the largest one
+TOKEN_ID_MAX = 2 ** 63 - 1
+
+
+def _int_arg(value, what, minimum, maximum=None):
+    """``value`` as an int >= ``minimum`` (and <= ``maximum`` when given): an int or NumPy
+    integer, not a bool (TypeError), not out of range (ValueError); the messages name ``what``."""
+    want = f"integers >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
     if not isinstance(value, (bool, np.bool_)):
         try:
             value = operator.index(value)
         except TypeError:
             pass
         else:
-            if value < minimum:
-                raise ValueError(f"{what}: want integers >= {minimum}, got {value}")
+            if value < minimum or (maximum is not None and value > maximum):
+                raise ValueError(f"{what}: want {want}, got {value}")
             return value
-    raise TypeError(f"{what}: want integers >= {minimum}, got {value!r}")
+    raise TypeError(f"{what}: want {want}, got {value!r}")
 
 
 def _invocation_tokens(tokens):
@@ -50,7 +55,7 @@ def _invocation_tokens(tokens):
         return None
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
         raise TypeError(f"invocation_tokens must be a sequence of token ids, got {tokens!r}")
-    return tuple(_int_arg(t, "invocation_tokens", 0) for t in tokens) or None
+    return tuple(_int_arg(t, "invocation_tokens", 0, TOKEN_ID_MAX) for t in tokens) or None
 
 
 # Hugging Face <-> GGUF names of the Llama family (llama.cpp's convert_hf_to_gguf.py tensor map)

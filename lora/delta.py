@@ -183,7 +183,13 @@ class LoraDelta(ByValue):
                                                          (cols, "cols")))
         a = arrays.float_array(a, "lora_a").reshape(-1)
         b = arrays.float_array(b, "lora_b").reshape(-1)
-        if rank < 1 or rows < 1 or cols < 1 or a.size != rank * cols or b.size != rows * rank:
+        bad = [n for n, v in (("rank", rank), ("rows", rows), ("cols", cols)) if v < 1]
+        if bad:
+            raise LoraShapeError(f"{' and '.join(bad)} must be positive: got rank {rank}, rows "
+                                 f"{rows}, cols {cols} (lora_a has {a.size} values, lora_b "
+                                 f"{b.size})", rows=rows, cols=cols, rank=rank, a_len=a.size,
+                                 b_len=b.size)
+        if a.size != rank * cols or b.size != rows * rank:
             raise LoraShapeError.for_pair(rows, cols, rank, a.size, b.size)
         self = cls.__new__(cls)
         self._init(a.reshape(rank, cols), b.reshape(rows, rank), rank, rows, cols, alpha, scale,

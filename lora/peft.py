@@ -12,8 +12,8 @@ import numpy as np
 
 from . import _dtypes as dtypes
 from . import _peft_experts as _experts
-from .adapter import (Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg,
-                      storage_arg)
+from .adapter import (TOKEN_ID_MAX, Pair, build_adapter, check_finite, format_error, pair_storage,
+                      scale_arg, storage_arg)
 from .gguf import is_gguf_file
 
 __all__ = ["load_peft"]
@@ -161,9 +161,9 @@ def _peft_invocation_tokens(cfg_path, cfg):
     if tokens is None or tokens == []:
         return None
     if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                             and t >= 0 for t in tokens)):
-        raise format_error(cfg_path, f"must be a list of non-negative integer token ids, got "
-                           f"{tokens!r}", key="alora_invocation_tokens")
+                                             and 0 <= t <= TOKEN_ID_MAX for t in tokens)):
+        raise format_error(cfg_path, f"must be a list of integer token ids in [0, 2**63 - 1] "
+                           f"(int64), got {tokens!r}", key="alora_invocation_tokens")
     return tuple(tokens)
 
 

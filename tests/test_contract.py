@@ -429,6 +429,11 @@ def test_rank_zero_refused():
     for rank, rows, cols in ((-1, 3, 4), (1, 0, 4), (1, 3, 0)):
         with pytest.raises(lora.LoraShapeError):
             lora.LoraDelta.from_flat(np.zeros(0), np.zeros(0), rank, rows, cols)
+    # a negative rank is named as such, not as "a [-4 x 8] base at rank -2"
+    with pytest.raises(lora.LoraShapeError, match=r"^rank and rows must be positive: got rank -2, "
+                                                  r"rows -4, cols 8") as info:
+        lora.LoraDelta.from_flat(np.ones(16), np.ones(8), -2, -4, 8)
+    assert "base" not in str(info.value) and info.value.rank == -2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

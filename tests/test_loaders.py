@@ -767,11 +767,18 @@ def test_empty_invocation_tokens_mean_plain_lora(peft_dir, tokens):
     assert adapter.invocation_tokens is None and adapter.alora_mask([1, 2]).all()
 
 
-@pytest.mark.parametrize("tokens", [[1, -2], [1, 2.0], ["a"], [True], "17 42", {"a": 1}, 17])
+@pytest.mark.parametrize("tokens", [[1, -2], [1, 2.0], ["a"], [True], "17 42", {"a": 1}, 17,
+                                    [3, 2**70], [2**63]])
 def test_peft_refuses_invocation_tokens_that_are_not_token_ids(peft_dir, tokens):
     path = peft_dir(_q_pair(), af.peft_config(alora_invocation_tokens=tokens))
     _assert_format_error(lambda: load_peft(path), path / "adapter_config.json",
                          "alora_invocation_tokens")
+
+
+def test_invocation_tokens_past_int64_are_refused_by_the_constructor():
+    with pytest.raises(ValueError, match="invocation_tokens.*<= 9223372036854775807"):
+        _alora([5, 2**70])
+    assert _alora([2**63 - 1]).invocation_tokens == (2**63 - 1,)
 
 
 def _alora(tokens):

@@ -148,6 +148,14 @@ def overheads(result, stat="median_s"):
     return {k: v[stat] - t0 for k, v in impls.items() if k not in FLOORS}, t0
 
 
+def fmt_overhead(seconds):
+    """An overhead in ms.  A negative one (a time below the floor it contains: the floor's own
+    run was slowed more by the machine's load) is noise, and is printed as such, never as a
+    saving."""
+    text = f"{seconds * 1e3:.2f}"
+    return text + " [below the floor: noise]" if seconds < 0 else text
+
+
 def _models(ctx, layers, dtype):
     key = ("peft", layers, dtype)
     if key not in ctx.cache:

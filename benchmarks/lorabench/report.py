@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from .machine import LANES, LEVELS, CpuMonitor, fmt_bytes
-from .peftmodel import overheads
+from .peftmodel import fmt_overhead, overheads
 from .targets import DT, TARGETS
 
 def fmt_time(s):
@@ -246,7 +246,8 @@ def _peft_notes(w):
     (over, t0), (low, _) = overheads(r), overheads(r, "min_s")
     notes = [f"{r['layers']} layers"] + [f"vs {_BASE_NAMES[k]} {_ratio(r['speedup'][k])}" for k in over if k != "ours"]
     notes.append(f"{_BASE_NAMES[r['floor']]} {fmt_time(t0)}; LoRA overhead, median (min): " + ", ".join(
-        f"{'ours' if k == 'ours' else _BASE_NAMES[k]} {v * 1e3:.2f} ({low[k] * 1e3:.2f}) ms" for k, v in over.items()))
+        f"{'ours' if k == 'ours' else _BASE_NAMES[k]} {fmt_overhead(v)} ({fmt_overhead(low[k])}) ms"
+        for k, v in over.items()))
     return notes
 
 

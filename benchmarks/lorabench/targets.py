@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .machine import CpuMonitor, fmt_bytes
 from .peftmodel import DECODE as PEFT_DECODE
 from .peftmodel import MIXED_NAME as PEFT_MIXED
-from .peftmodel import overheads
+from .peftmodel import fmt_overhead, overheads
 from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, edge_name, gather_name,
                         halfact_name, moe_name, prefill_name, stack_name)
 
@@ -180,9 +180,9 @@ class Overhead:
             return None, f"{r.get('floor')}, {self.other} not both measured", rows[:1]
         (over, t0), (low, _) = overheads(r), overheads(r, "min_s")
         ours, other = over["ours"], over[self.other]
-        detail = (f"LoRA overhead: ours {ours * 1e3:.2f} ms, {self.other} {other * 1e3:.2f} ms over "
-                  f"{r['floor']} {t0 * 1e3:.2f} ms (from the minima: {low['ours'] * 1e3:.2f} and "
-                  f"{low[self.other] * 1e3:.2f} ms)")
+        detail = (f"LoRA overhead: ours {fmt_overhead(ours)} ms, {self.other} {fmt_overhead(other)} ms "
+                  f"over {r['floor']} {t0 * 1e3:.2f} ms (from the minima: {fmt_overhead(low['ours'])} "
+                  f"and {fmt_overhead(low[self.other])} ms)")
         if other <= 0:
             return None, detail + f"; {self.other}'s overhead is not above the floor (noise)", rows[:1]
         return max(ours, 0.0) / other, detail, rows[:1]
