@@ -19,6 +19,8 @@ from .stack import LoraStack
 
 __all__ = ["Kind", "Layer", "Plan"]
 
+_CALLED = ("lora_dropout", "lora_A", "lora_B")  # the ModuleDicts a Linear's forward calls into
+
 
 class Kind:
     """PEFT's plain LoRA ``Linear`` and ``Embedding`` layers (aLoRA included), for one
@@ -185,7 +187,9 @@ class Layer(ServedLayer):
                     return "autograd is recording (LoRA weights require grad)"
             if any(p.requires_grad for p in m.get_base_layer().parameters()):
                 return "autograd is recording (the base layer's weights require grad)"
-        hooked = hook_reason(self.acc, self._called(names))
+        # the submodules PEFT's forward calls besides the base layer (whose hooks run in ours
+        # too): a Linear's dropout, lora_A and lora_B; an Embedding's factors are parameters
+        hooked = hook_reason(self.acc, m, _CALLED if self.linear else (), names)
         if hooked is not None:
             return hooked
         if self.linear:
@@ -194,16 +198,6 @@ class Layer(ServedLayer):
                 if drop.training and getattr(drop, "p", 0) > 0:
                     return f"dropout is active for adapter {a!r} (training mode)"
         return None
-
-    def _called(self, names):
-        """``(label, module)`` for the submodules PEFT's forward calls besides the base layer (whose
-        hooks run in ours too): a Linear's lora_dropout, lora_A and lora_B of each adapter; an
-        Embedding calls none (its factors are parameters)."""
-        if not self.linear:
-            return ()
-        m = self.module
-        return tuple((f"{part}[{a!r}]", getattr(m, part)[a]) for a in names
-                     for part in ("lora_dropout", "lora_A", "lora_B"))
 
     def forward(self, x, *args, **kwargs):
         plan = self.plan

@@ -227,18 +227,24 @@ def _layer_kinds(acc):
     return (_accel_lora.Kind(acc),)
 
 
-def hook_reason(acc, modules):
+def hook_reason(acc, module, parts, names):
     """Why a served layer must leave this call to PEFT's forward because torch would run hooks
     in it that the kernels skip: a global module forward hook, or a forward hook or pre-hook on
-    one of ``modules`` (``(label, module)`` pairs: the submodules PEFT's forward calls, such as
-    ``lora_A['a']``); None when none is registered.  A few dict truth tests, so every call can
-    ask: the layer is served again once the hooks are removed."""
+    ``module.<part>[name]`` for a ``part`` of ``parts`` (the ModuleDicts whose entries PEFT's
+    forward calls, such as ``"lora_A"``) and a ``name`` of ``names`` (the adapters of this call);
+    None when none is registered.  A few dict truth tests, so every call can ask: the layer is
+    served again once the hooks are removed."""
     g = acc._module_globals
     if g._global_forward_hooks or g._global_forward_pre_hooks:
         return "global module forward hooks are registered (PEFT's forward runs them)"
-    for label, mod in modules:
-        if mod._forward_hooks or mod._forward_pre_hooks:
-            return f"{label} has forward hooks (PEFT's forward runs while they are registered)"
+    mods = module._modules
+    for part in parts:
+        entries = mods[part]._modules
+        for a in names:
+            sub = entries.get(a)
+            if sub is not None and (sub._forward_hooks or sub._forward_pre_hooks):
+                return (f"{part}[{a!r}] has forward hooks (PEFT's forward runs while they are "
+                        f"registered)")
     return None
 
 
