@@ -31,24 +31,27 @@ int lora_forked(void) { return g_forked; }
  * opens it (torch's wheel ships a libgomp that torch and this library share,
  * so one threaded call of either in the parent hung torch's next threaded op
  * in the child).  Before fork(), the prepare handler releases the forking
- * thread's pool with OpenMP 5.0's omp_pause_resource_all (libgomp since GCC
- * 9, LLVM's libomp since 8; hard: the threads exit), so the child starts
- * without one and a parallel region there makes new threads.  The function is
- * looked up in the runtime this library is linked to (found through
- * omp_get_max_threads), so an older runtime without it only loses this: the
- * parent's next team call starts its threads again (~0.1 ms).  The child
- * still runs this library's calls on one thread (g_forked): a pool of
- * another thread of the parent, busy at the fork, is not the forking
- * thread's to release. */
+ * thread's pool with OpenMP 5.0's omp_pause_resource_all (libgomp's frees
+ * the calling thread's host pool and touches no offload device: checked in
+ * GCC 12's and in the one torch 2.13's wheel ships, symbol version OMP_5.0;
+ * LLVM's libomp has it too, and fork handlers of its own), so the
+ * child starts without one and a parallel region there makes new threads.
+ * Soft: libgomp does the same for both kinds, and libomp then keeps
+ * threadprivate data.  The function is looked up in the runtime this
+ * library is linked to (found through omp_get_max_threads), so an older
+ * runtime without it only loses this.  The parent's next team call starts
+ * its threads again (~0.1 ms).  The child still runs this library's calls
+ * on one thread (g_forked): a pool of another thread of the parent, busy at
+ * the fork, is not the forking thread's to release. */
 #if defined(_OPENMP) && !defined(_WIN32)
 /* by value, not omp.h's enum: GCC 12 implements it but its omp.h may predate
  * the enum elsewhere (_OPENMP stays 201511); the values are the standard's */
-#define LORA_OMP_PAUSE_HARD_ 2 /* omp_pause_hard */
+#define LORA_OMP_PAUSE_SOFT_ 1 /* omp_pause_soft */
 typedef int (*lora_pause_fn_)(int);
 static lora_pause_fn_ g_omp_pause = NULL;
 
 static void lora_before_fork_(void) {
-    if (g_omp_pause != NULL && omp_get_level() == 0) (void)g_omp_pause(LORA_OMP_PAUSE_HARD_);
+    if (g_omp_pause != NULL && omp_get_level() == 0) (void)g_omp_pause(LORA_OMP_PAUSE_SOFT_);
 }
 
 static void lora_find_omp_pause_(void) {
