@@ -128,6 +128,7 @@ class PeftAcceleration:
                              "on the first accelerate_peft() before accelerating it again")
         self._model_ref = weakref.ref(model)
         self._layers = {}  # id(module) -> its ServedLayer
+        self._covered = weakref.WeakSet()  # inner modules a served layer answers for
         self._status = {}  # module name -> None (accelerated) or the reason it is skipped
         self._active = True
         self._fingerprint = object()
@@ -158,10 +159,18 @@ class PeftAcceleration:
         """``{module name: reason}`` for the LoRA layers left to PEFT's own forward."""
         return {name: why for name, why in self._status.items() if why is not None}
 
+    @property
+    def extra_bytes(self):
+        """Bytes lora-kernels holds beyond PEFT's own tensors: the repacked copies of MoE
+        experts' ``lora_B`` (PEFT interleaves the experts there); 0 for every other layer."""
+        return sum(layer.extra_bytes() for layer in self._layers.values())
+
     def refresh(self):
-        """Forget every view of the weights; the next call builds them again.  Never needed for
-        changes made through the parameters (in place, through ``.data``, or by replacing them):
-        those are seen at the next call anyway."""
+        """Forget every view of the weights; the next call builds them again.  Needed only
+        after a raw ``.data`` write to a MoE experts' ``lora_B`` (its repacked copy is keyed on
+        the version counter and the data pointer, which such a write moves neither of; PEFT's
+        hotswap is seen without it).  Other changes made through the parameters (in place,
+        through ``.data``, or by replacing them) are seen at the next call anyway."""
         for layer in self._layers.values():
             layer.refresh()
 
@@ -176,6 +185,7 @@ class PeftAcceleration:
         for layer in self._layers.values():
             layer.unpatch()
         self._layers.clear()
+        self._covered = weakref.WeakSet()
         model = self._model_ref()
         if model is not None and _ACCELERATED.get(model) is self:
             del _ACCELERATED[model]
@@ -205,13 +215,14 @@ class PeftAcceleration:
 
     def _scan(self, model):
         for name, module in model.named_modules():
-            if id(module) in self._layers:
+            if id(module) in self._layers or module in self._covered:
                 continue
             layer = next((got for kind in self._kinds
                           if (got := kind.layer(name, module)) is not None), None)
             if layer is not None:
                 self._layers[id(module)] = layer
                 self._status[name] = layer.static_reason()
+                self._covered.update(layer.covers())
             elif isinstance(module, self._lora_layer_type):
                 self._status[name] = (f"{type(module).__name__} is not a plain PEFT LoRA Linear or "
                                       f"Embedding layer")
@@ -222,9 +233,9 @@ class PeftAcceleration:
 def _layer_kinds(acc):
     """The layer kinds `acc` serves, each in a module of its own (imported at the first
     accelerate_peft): PEFT's LoRA Linear and Embedding layers."""
-    from . import _accel_lora
+    from . import _accel_experts, _accel_lora
 
-    return (_accel_lora.Kind(acc),)
+    return (_accel_lora.Kind(acc), _accel_experts.Kind(acc))
 
 
 def hook_reason(acc, module, parts, names):
@@ -253,7 +264,9 @@ class ServedLayer:
     module's ``forward`` (through `_Forward`) and keeps PEFT's own as ``original``, the fallback;
     ``unpatch()`` puts back exactly what was there.  A kind adds ``forward(x, *args, **kwargs)``,
     ``static_reason()`` (why the layer's configuration cannot be served, or None) and
-    ``refresh()`` (forget data derived from the weights)."""
+    ``refresh()`` (forget data derived from the weights); it may override ``covers()`` (inner
+    modules it answers for, left out of the status) and ``extra_bytes()`` (memory it holds
+    beyond PEFT's tensors)."""
 
     __slots__ = ("acc", "name", "module", "had_instance_forward", "original", "__weakref__")
 
@@ -263,6 +276,12 @@ class ServedLayer:
         self.original = module.forward
         _LAYERS[module] = self
         module.forward = _Forward(module)
+
+    def covers(self):
+        return ()
+
+    def extra_bytes(self):
+        return 0
 
     def unpatch(self):
         _LAYERS.pop(self.module, None)
