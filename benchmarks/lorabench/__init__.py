@@ -12,6 +12,7 @@
                 and the roofline / speedup analysis (``runner``);
 * ``startup``   ``python -c "import lora"`` and ``python -m lora info`` in fresh processes;
 * ``peftmodel`` whole-model rows: a Llama-shaped PEFT model run by PEFT and by ``accelerate_peft``;
+                (``workloads.moepeft``: the same for a Qwen3-MoE with LoRA on its experts);
 * ``targets``   the speed targets as a table, and the one function that judges them;
 * ``report``    header, table, targets, JSON document and plot;
 * ``cli``       the flags and the run.

@@ -13,6 +13,7 @@ import traceback
 import numpy as np
 
 from . import machine, peftmodel, report, targets, workloads
+from .workloads import moepeft
 from .timing import TimingConfig
 
 REEXEC_NOTE = "LORA_BENCH_CLEARED"  # set by bench.py when it re-executed without OpenBLAS overrides
@@ -57,6 +58,8 @@ COLUMNS_NOTE = [
   "  one decode step, a bank call per projection; its edge is the same step with every adapter's scale 0.",
   "  peft rows: one forward of a whole PEFT model (lorabench/peftmodel.py); ours = under lora.accelerate_peft;",
   "  LoRA overhead = a time less the floor's (merged, or adapter layers disabled for a mixed batch).",
+  "  peft moe rows: a Qwen3-MoE with LoRA on attention and experts (lorabench/workloads/moepeft.py); floor =",
+  "  adapter layers disabled under accelerate_peft (our experts forward); transformers' = the same under PEFT.",
 ]
 
 
@@ -115,6 +118,7 @@ def main(argv=None, description=None):
     W = workloads.workloads(sweep_layers, startup_runs=5 if quick else 11, set_layers=set_layers,
                             quick=quick)
     W += peftmodel.workloads(peft_layers)
+    W += moepeft.workloads(quick)
     if args.only:
         W = [w for w in W if any(t in f"{w.name} {w.group} {w.dtype}" for t in args.only)]
     progress = report.Progress(len(W) + 2, enabled=not args.no_progress)

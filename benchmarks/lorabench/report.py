@@ -73,6 +73,7 @@ _BASE_NAMES = {
     "ours_torch": "ours, torch tensors", "set": "AdapterSet bank", "delta": "LoraDelta add_batch_to",
     "edge": "edge (every scale 0)", "peft_unmerged": "PEFT", "peft_bf16_adapters": "PEFT, adapters bf16",
     "peft_merged": "PEFT merged (floor)", "peft_base": "adapter layers disabled (floor)",
+    "transformers_base": "adapter layers disabled, transformers' experts",
 }
 
 

@@ -13,6 +13,7 @@ from .machine import CpuMonitor, fmt_bytes
 from .peftmodel import DECODE as PEFT_DECODE
 from .peftmodel import MIXED_NAME as PEFT_MIXED
 from .peftmodel import fmt_overhead, overheads
+from .workloads import moepeft
 from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, edge_name, gather_name,
                         halfact_name, moe_name, prefill_name, stack_name)
 
@@ -142,6 +143,22 @@ class Micros:
 
 
 @dataclass(frozen=True)
+class Ratio:
+    """A row's median time of `impl` over that of `other` (both timed in the same row)."""
+
+    impl: str
+    other: str
+
+    def __call__(self, rows, run):
+        impls = rows[0].result["impls"]
+        missing = [k for k in (self.impl, self.other) if k not in impls]
+        if missing:
+            return None, f"{', '.join(missing)} not measured", rows[:1]
+        t, t0 = impls[self.impl]["median_s"], impls[self.other]["median_s"]
+        return t / t0, f"{self.impl} {t * 1e3:.2f} ms, {self.other} {t0 * 1e3:.2f} ms", rows[:1]
+
+
+@dataclass(frozen=True)
 class SlowestOver:
     """The smallest speedup over the given baselines across every row that has one."""
 
@@ -263,6 +280,15 @@ TARGETS = (
     *(Target(f"{PEFT_MIXED} {DT[d]} (adapter_names): LoRA overhead, accelerate_peft / PEFT",
              Rows("peft", d, PEFT_MIXED), Overhead("peft_unmerged"), "<=", 0.5)
       for d in ("float32", "bfloat16")),
+    # the MoE model: the step with adapters over the same step with the adapter layers disabled
+    # (both through our experts forward), and that forward against transformers' default one
+    *(t for d in ("float32", "bfloat16") for t in (
+        Target(f"{moepeft.DECODE} {DT[d]}: time / the base step", Rows("peft", d, moepeft.DECODE),
+               Ratio("ours", "peft_base"), "<=", 1.1),
+        Target(f"{moepeft.MIXED_NAME} {DT[d]} (4 adapters + base): time / the base step at batch 8",
+               Rows("peft", d, moepeft.MIXED_NAME), Ratio("ours", "peft_base"), "<=", 1.5),
+        Target(f"{moepeft.DECODE} {DT[d]}: our experts forward / transformers' (adapters disabled)",
+               Rows("peft", d, moepeft.DECODE), Ratio("peft_base", "transformers_base"), "<=", 1.05))),
     Target("under load (busy processes, busy torch pool): mean / one thread, worst shape",
            Rows("load"), LoadRatio(), "<=", 1.3),
     Target("prefill b512 f32 share of its roofline", Rows("prefill", "float32", prefill_name(512)),

@@ -12,6 +12,7 @@ One module per family, each with its names, sizes, builder and bytes / flops mod
 * ``setstep``   one serving step through an ``AdapterSet`` over every projection;
 * ``merge``     ``merge_into`` a torch weight against PyTorch and PEFT;
 * ``moe``       routed experts (``LoraExperts.add_to``) at Qwen3-30B-A3B's expert shapes;
+* ``moepeft``   a whole Qwen3-MoE PEFT model under ``accelerate_peft`` (rows of the peft group);
 * ``load``      under load (``benchmarks/oversubscription.py``); the start-up rows are ``startup``.
 
 Shared: ``core`` (records, operands, the float64 reference, tolerances), ``baselines`` (NumPy
