@@ -11,8 +11,9 @@ PEFT reads them.
 This module is the model level: scanning the model for the layers it serves (again at a forward
 after adapters were added), patching their ``forward``, the status (``accelerated`` /
 ``skipped``) and ``restore()``.  Each layer kind is served by a module of its own
-(`lora._accel_lora`: PEFT's LoRA Linear and Embedding layers), whose layers derive from
-`ServedLayer`; `_layer_kinds` lists them.
+(`lora._accel_lora`: PEFT's LoRA Linear and Embedding layers; `lora._accel_experts`: PEFT's
+``ParamWrapper`` on transformers' MoE experts), whose layers derive from `ServedLayer`;
+`_layer_kinds` lists them.
 
 torch and peft are imported here, on first use; ``import lora`` imports neither.
 """
@@ -84,6 +85,12 @@ def accelerate_peft(model):
     ``with lora.accelerate_peft(model): ...``); ``.accelerated`` lists the layers the kernels
     serve and ``.skipped`` maps the others to the reason (as of the last forward; before any
     forward, as of this call); ``.refresh()`` forgets anything derived from the weights.
+
+    PEFT LoRA on MoE experts (``target_parameters``: PEFT's ``ParamWrapper`` on an experts module
+    of transformers' experts interface) is served by an experts forward of lora-kernels' own,
+    the LoRA term for the routed pairs only; ``.extra_bytes`` is what that keeps (each experts
+    adapter's ``lora_B``, repacked), and a raw ``.data`` write to such a ``lora_B`` needs
+    ``.refresh()``.
 
     A layer is served while autograd is not recording for it (input, LoRA weights and base layer
     weights all frozen, or grad disabled), dropout is inactive, no forward hook or pre-hook is
