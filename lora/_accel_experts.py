@@ -37,7 +37,7 @@ import inspect
 
 from . import _dtypes as dtypes
 from ._entries import EntryTable
-from .accelerate import ServedLayer
+from .accelerate import ServedLayer, hook_reason
 from .delta import LoraDelta
 from .experts import LoraExperts, apply_experts
 from .scale import F32_OVERFLOW, LoraScale
@@ -344,6 +344,14 @@ class Layer(ServedLayer):
         grad = torch.is_grad_enabled()
         if grad and hidden.requires_grad:
             return "autograd is recording (the input requires grad)", None
+        if grad and any(p.requires_grad for p in experts.parameters()):
+            return "autograd is recording (the expert weights require grad)", None
+        hooked = hook_reason(self.acc, self.module, (), ())
+        if hooked is None and (experts._forward_hooks or experts._forward_pre_hooks):
+            hooked = (f"the experts module has forward hooks (PEFT's forward runs while they are "
+                      f"registered)")
+        if hooked is not None:
+            return hooked, None
         per_level = {}
         mixed = adapter_names is not None
         if mixed:

@@ -292,3 +292,20 @@ def test_bfloat16_error_no_larger_than_peft(kind):
         e_peft = (peft_half - exact).abs().mean().item()
         e_ours = (ours_half - exact).abs().mean().item()
         assert e_ours <= 1.5 * e_peft, (active, e_ours, e_peft)
+
+
+def test_hooks_on_the_experts_module_fall_back():
+    """PEFT's forward calls the experts module (running its hooks); ours does not, so a hooked
+    experts module is left to PEFT, and served again once the hook is gone."""
+    model = moe_model("qwen3_moe", seed=11)
+    x = ids()
+    inner = model.base_model.model.model.layers[0].mlp.experts.get_base_layer()
+    seen = []
+    handle = inner.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        logits(model, x)
+        assert "forward hooks" in acc.skipped["base_model.model.model.layers.0.mlp.experts"]
+        assert seen
+        handle.remove()
+        logits(model, x)
+        served(acc, model)
