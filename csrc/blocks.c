@@ -46,6 +46,51 @@ static void block_of_(const lora_plan *p, int64_t blk, int64_t *start, int *nb, 
     }
 }
 
+/* The accumulate of a block whose entry holds a DoRA member, in portable C
+ * around the ISA's own kernels (so every path runs it, and plain members keep
+ * their bits): a strip of out is widened into float32 (the ISA's widen_), each
+ * member in order adds its term through the ISA's float32 accumulate (the same
+ * order as inside a stack) and a DoRA member then multiplies the strip by its
+ * row factor, one float32 product per element; the strip is rounded back once
+ * (the ISA's narrow_).  A term's M is shifted to the strip, whose outputs the
+ * kernel then sees as 0 .. n - 1 (an order that never depends on [i0, i1)). */
+static void dora_accumulate_(const lora_plan *p, const lora_term *terms, int n_terms,
+                             int64_t i0, int64_t i1, int nb, void *const *outs) {
+    const lora_kernel_table *kt = p->kt;
+    const int ot = p->out_dtype;
+    const size_t osz = lora_dtype_size(ot);
+    float strip[LORA_NB][LORA_STRIP];
+    void *so[LORA_NB];
+    for (int b = 0; b < nb; b++) so[b] = strip[b];
+    for (int64_t i = i0; i < i1; i += LORA_STRIP) {
+        const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
+        for (int b = 0; b < nb; b++) kt->widen[ot]((const char *)outs[b] + i * osz, n, strip[b]);
+        for (int q = 0; q < n_terms; q++) {
+            const lora_term *tm = &terms[q];
+            if (tm->active) {
+                lora_term at = *tm;
+                const int64_t shift = tm->by_row ? i * tm->ldm : i;
+                at.m = (const char *)tm->m + (size_t)shift * lora_dtype_size(tm->dtype);
+                kt->accumulate[LORA_DTYPE_F32](&at, 1, 0, n, nb, so);
+            }
+            for (int b = 0; b < nb; b++) {
+                const float *g = tm->g[b];
+                if (!g) continue;
+                float *v = strip[b];
+                for (int64_t k = 0; k < n; k++) v[k] = v[k] * g[i + k];
+            }
+        }
+        for (int b = 0; b < nb; b++) kt->narrow[ot](strip[b], n, (char *)outs[b] + i * osz);
+    }
+}
+
+/* the accumulate of one block into outputs [i0, i1): the ISA's, or the DoRA one */
+static void accumulate_(const lora_plan *p, const lora_term *terms, int n_terms, int dora,
+                        int64_t i0, int64_t i1, int nb, void *const *outs) {
+    if (dora) dora_accumulate_(p, terms, n_terms, i0, i1, nb, outs);
+    else p->kt->accumulate[p->out_dtype](terms, n_terms, i0, i1, nb, outs);
+}
+
 /* One block of positions through every member of its entry, fused, on the
  * threads tid of nt that share `t` (nt = 1: alone, no barrier).  `last`: no
  * block follows, so the region's own closing barrier suffices. */
@@ -69,18 +114,31 @@ static void run_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int 
         else xs[b] = p->x + (size_t)(pos / p->x_every * p->ldx) * xsz;
         mul[b] = p->pos_scales ? p->pos_scales[pos / p->every] : 1.0;
     }
-    /* the members that add anything to this block, with their scales */
-    int n_terms = 0;
+    /* the members that add anything to this block, with their scales (and the
+     * DoRA members at scale 0, which add nothing but still apply their row factor) */
+    int n_terms = 0, dora = 0;
     int64_t off = 0;
     for (int64_t q = p->first[entry]; q < p->first[entry + 1]; q++) {
         lora_term *tm = &sc->terms[n_terms];
-        int any = 0;
+        int any = 0, has_g = 0;
         for (int b = 0; b < LORA_NB; b++) {
             /* formed in double, rounded once (never the multiplier first) */
             tm->scale[b] = b < nb ? (float)(p->scales[q] * mul[b]) : 0.0f;
             any |= tm->scale[b] != 0.0f;
+            tm->g[b] = NULL;
+            if (b < nb && p->factors) {
+                const int64_t pos = p->order ? p->order[start + b] : start + b;
+                tm->g[b] = lora_factor_of(p, pos, q);
+                has_g |= tm->g[b] != NULL;
+            }
         }
-        if (!any) continue; /* a zero scale skips the delta before any arithmetic */
+        dora |= has_g;
+        tm->active = any;
+        if (!any && !has_g) continue; /* a zero scale skips the delta before any arithmetic */
+        if (!any) {
+            n_terms++;
+            continue;
+        }
         const lora_delta *d = p->deltas[q];
         tm->m = gather ? d->a : d->bt;
         tm->ldm = gather ? d->lda : d->ldb;
@@ -98,6 +156,7 @@ static void run_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int 
     if (gather) {
         /* u_q = B_q[tok, :]; every thread builds its own u and owns its columns */
         for (int q = 0; q < n_terms; q++) {
+            if (!sc->terms[q].active) continue;
             const lora_delta *d = sc->which[q];
             float *u = (float *)sc->terms[q].u;
             for (int b = 0; b < nb; b++)
@@ -106,10 +165,11 @@ static void run_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int 
                         d->bt, d->b_by_row ? tok[b] * d->ldb + k : k * d->ldb + tok[b], d->dtype);
         }
         lora_split(p->cols, tid, nt, 16, &lo, &hi);
-        if (lo < hi) p->kt->accumulate[p->out_dtype](sc->terms, n_terms, lo, hi, nb, outs);
+        if (lo < hi) accumulate_(p, sc->terms, n_terms, dora, lo, hi, nb, outs);
         return;
     }
     for (int q = 0; q < n_terms; q++) {
+        if (!sc->terms[q].active) continue;
         const lora_delta *d = sc->which[q];
         lora_split(d->rank, tid, nt, 1, &lo, &hi);
         if (lo < hi)
@@ -124,7 +184,7 @@ static void run_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int 
     }
 #endif
     lora_split(p->rows, tid, nt, 16, &lo, &hi);
-    if (lo < hi) p->kt->accumulate[p->out_dtype](sc->terms, n_terms, lo, hi, nb, outs);
+    if (lo < hi) accumulate_(p, sc->terms, n_terms, dora, lo, hi, nb, outs);
 #ifdef _OPENMP
     /* t is reused by the next block: wait until every thread is done with it */
     if (nt > 1 && !last) {

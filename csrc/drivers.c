@@ -35,6 +35,17 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
                      int64_t ids_every, int64_t rows, int64_t cols, int64_t batch,
                      const void *x, int x_dtype, int64_t ldx, void *out, int out_dtype,
                      int64_t ldo, int64_t *bad) {
+    return lora_apply_batch_dora(n_entries, first, deltas, scales, entry_ids, pos_scales,
+                                 ids_every, rows, cols, batch, x, x_dtype, ldx, out, out_dtype,
+                                 ldo, NULL, 0, bad);
+}
+
+int lora_apply_batch_dora(int64_t n_entries, const int64_t *first,
+                          const lora_delta *const *deltas, const double *scales,
+                          const int64_t *entry_ids, const double *pos_scales, int64_t ids_every,
+                          int64_t rows, int64_t cols, int64_t batch, const void *x, int x_dtype,
+                          int64_t ldx, void *out, int out_dtype, int64_t ldo,
+                          const float *const *factors, int64_t fac_stride, int64_t *bad) {
     int st = lora_check_apply(n_entries, first, deltas, x, x_dtype, ldx, batch, cols, out,
                               out_dtype, ldo, batch, rows);
     if (st != LORA_OK) return st;
@@ -48,8 +59,8 @@ int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *
                       ids_every, &entry_ids, &pos_scales, NULL, own);
     if (st == LORA_OK)
         st = lora_plan_call(&p, n_entries, first, deltas, scales, entry_ids, pos_scales,
-                            ids_every, rows, cols, batch, out, out_dtype, ldo, bad, stack_buf,
-                            &heap_buf);
+                            ids_every, rows, cols, batch, out, out_dtype, ldo, factors,
+                            fac_stride, bad, stack_buf, &heap_buf);
     if (st == LORA_OK) st = lora_run_projections(&p, x, x_dtype, ldx, 1);
     free(heap_buf);
     for (int k = 0; k < 3; k++) free(own[k]);
@@ -69,6 +80,16 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
                     const double *scales, const int64_t *entry_ids, const double *pos_scales,
                     int64_t ids_every, int64_t rows, int64_t cols, int64_t n, const int64_t *ids,
                     void *out, int out_dtype, int64_t ldo, int64_t *bad) {
+    return lora_apply_rows_dora(n_entries, first, deltas, scales, entry_ids, pos_scales,
+                                ids_every, rows, cols, n, ids, out, out_dtype, ldo, NULL, 0, bad);
+}
+
+int lora_apply_rows_dora(int64_t n_entries, const int64_t *first,
+                         const lora_delta *const *deltas, const double *scales,
+                         const int64_t *entry_ids, const double *pos_scales, int64_t ids_every,
+                         int64_t rows, int64_t cols, int64_t n, const int64_t *ids, void *out,
+                         int out_dtype, int64_t ldo, const float *const *factors,
+                         int64_t fac_stride, int64_t *bad) {
     if (!lora_dtype_valid(out_dtype)) return LORA_ERR_DTYPE;
     if (n > 1 && ldo < cols) return LORA_ERR_ARG;
     if ((uintptr_t)out % lora_dtype_size(out_dtype) || (uintptr_t)ids % sizeof(int64_t) ||
@@ -82,8 +103,8 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
     int st = lora_unalias(out, out_bytes, n, ids_every, &entry_ids, &pos_scales, &ids, own);
     if (st == LORA_OK)
         st = lora_plan_call(&p, n_entries, first, deltas, scales, entry_ids, pos_scales,
-                            ids_every, rows, cols, n, out, out_dtype, ldo, bad, stack_buf,
-                            &heap_buf);
+                            ids_every, rows, cols, n, out, out_dtype, ldo, factors, fac_stride,
+                            bad, stack_buf, &heap_buf);
     if (st == LORA_OK) {
         for (int64_t i = 0; i < n; i++) {
             if (ids[i] < 0 || ids[i] >= rows) {

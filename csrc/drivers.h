@@ -43,6 +43,10 @@ typedef struct {
     int64_t nblk;
     const double *pos_scales;   /* NULL or a multiplier per id */
     int64_t every;              /* position b's id is b / every */
+    /* DoRA row factors (lora.h, lora_apply_batch_dora): NULL, or per id i and
+     * member q factors[i * fac_stride + q], NULL for a plain member */
+    const float *const *factors;
+    int64_t fac_stride;
     int64_t max_rank_sum;       /* the largest sum of member ranks of one entry */
     int64_t max_members;
     /* prefill: x rows (position b reads row b / x_every: a mixture of experts'
@@ -88,7 +92,13 @@ int lora_plan_call(lora_plan *p, int64_t n_entries, const int64_t *first,
                    const lora_delta *const *deltas, const double *scales,
                    const int64_t *entry_ids, const double *pos_scales, int64_t every,
                    int64_t rows, int64_t cols, int64_t n, void *out, int out_dtype, int64_t ldo,
-                   int64_t *bad, int64_t *stack_buf, int64_t **heap_buf);
+                   const float *const *factors, int64_t fac_stride, int64_t *bad,
+                   int64_t *stack_buf, int64_t **heap_buf);
+
+/* member q's row factor at position b (NULL: a plain member, or no factors) */
+static inline const float *lora_factor_of(const lora_plan *p, int64_t b, int64_t q) {
+    return p->factors ? p->factors[b / p->every * p->fac_stride + q] : NULL;
+}
 
 /* private copies (own[0..2], freed by the caller) of entry_ids, pos_scales and
  * the gather's token ids where they share bytes with out */

@@ -88,7 +88,7 @@ int lora_apply_experts(int64_t n_entries, const int64_t *first, const lora_delta
     lora_plan p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf = NULL;
     st = lora_plan_call(&p, n_entries, first, deltas, scales, entry, mul, 1, rows, cols, n, out,
-                        out_dtype, ldo, bad, stack_buf, &heap_buf);
+                        out_dtype, ldo, NULL, 0, bad, stack_buf, &heap_buf);
     if (st == LORA_ERR_SCALE && bad && *bad >= 0) *bad /= ids_every; /* the caller's index */
     if (st == LORA_OK) st = lora_run_projections(&p, x, x_dtype, ldx, x_every);
     free(heap_buf);

@@ -38,6 +38,7 @@ typedef struct lora_delta lora_delta;
 #define LORA_ERR_ALIGN 6     /* x or out not 4-byte aligned (ids: 8), which C may not read */
 #define LORA_ERR_SCALE 7     /* an effective scale that is not finite in float32 */
 #define LORA_ERR_DTYPE 8     /* an unknown dtype code */
+#define LORA_ERR_NORM 9      /* a DoRA row whose norm is 0 (or not finite); *bad = the row */
 
 /* dtypes, of storage and of activations: the codes 0 .. LORA_DTYPE_COUNT - 1
  * (the C side's list of them, with sizes and names, is LORA_DTYPES in kernels.h) */
@@ -140,6 +141,48 @@ int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *c
                     const double *scales, const int64_t *entry_ids, const double *pos_scales,
                     int64_t ids_every, int64_t rows, int64_t cols, int64_t n, const int64_t *ids,
                     void *out, int out_dtype, int64_t ldo, int64_t *bad);
+
+/* DoRA (weight-decomposed LoRA): the same two calls with a row factor per member.
+ * factors[i * fac_stride + q] (fac_stride 0: factors[q] for every position) is
+ * NULL for a plain member q, else the float32 row factor g of DoRA member q at
+ * the positions of id i (i = b / ids_every): rows values (lora_apply_rows:
+ * cols), for the scale that position uses.  A DoRA member scales the running
+ * bias-free sum: out <- g * (out + s * B (A x)), in float32, members in
+ * order, a half out rounded once after the last; at scale 0 (its own or a
+ * position's multiplier) it still applies g, so a position of an entry with a
+ * DoRA member is never skipped for a zero multiplier.  factors NULL: the
+ * plain calls above, bit for bit.  The factors must not share bytes with out. */
+int lora_apply_batch_dora(int64_t n_entries, const int64_t *first,
+                          const lora_delta *const *deltas, const double *scales,
+                          const int64_t *entry_ids, const double *pos_scales, int64_t ids_every,
+                          int64_t rows, int64_t cols, int64_t batch, const void *x, int x_dtype,
+                          int64_t ldx, void *out, int out_dtype, int64_t ldo,
+                          const float *const *factors, int64_t fac_stride, int64_t *bad);
+int lora_apply_rows_dora(int64_t n_entries, const int64_t *first,
+                         const lora_delta *const *deltas, const double *scales,
+                         const int64_t *entry_ids, const double *pos_scales, int64_t ids_every,
+                         int64_t rows, int64_t cols, int64_t n, const int64_t *ids, void *out,
+                         int out_dtype, int64_t ldo, const float *const *factors,
+                         int64_t fac_stride, int64_t *bad);
+
+/* DoRA statistics of a base V [n, k] (element (i, j) at w[i*ld_i + j*ld_k],
+ * w_dtype; any layout) against P [r, k]: sq[i] = |V_i|^2, vp[i*r + t] =
+ * <V_i, P_t>, gram[t*r + u] = <P_t, P_u>, all in float64, each a sum over j
+ * in ascending order (threads split i and t, never a sum).  by_col 0 (a
+ * Linear layer): V = W [rows, cols], P = A, the norm is per row; by_col 1 (an
+ * embedding table E [rows = vocab, cols = dim]): V = E^T, P = B^T, the norm
+ * is per column.  LORA_OK, LORA_ERR_DTYPE, LORA_ERR_ARG (a gather-only view,
+ * a negative stride), LORA_ERR_NOMEM. */
+int lora_dora_stats(const lora_delta *d, int by_col, const void *w, int w_dtype, int64_t ld_i,
+                    int64_t ld_k, double *sq, double *vp, double *gram);
+/* The row factor for effective scale s: |V_i + s (Q P)_i|^2 = sq[i] + 2 s <q_i,
+ * vp_i> + s^2 q_i^T gram q_i with Q = B (by_col 1: A^T), in float64; norm[i] =
+ * that norm and g[i] = magnitude[i] / norm, each rounded to float32 once.  A
+ * norm that is 0 or not finite (or a g that is not finite in float32) is
+ * LORA_ERR_NORM with *bad = its row (the first), g and norm then unspecified. */
+int lora_dora_factor(const lora_delta *d, int by_col, const double *sq, const double *vp,
+                     const double *gram, const float *magnitude, double s, float *g, float *norm,
+                     int64_t *bad);
 
 /* Mixtures of experts: n routed (token, slot) pairs, pair q through the
  * expert expert_ids[q] (-1 = none) of adapter adapter_ids[q / ids_every]

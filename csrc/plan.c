@@ -29,11 +29,17 @@
 
 static int finite_f32_(double v) { return fabs(v) < LORA_F32_LIMIT; } /* false for nan */
 
-/* the entry position b runs, or -1: no adapter, an empty entry, or a zero multiplier */
+/* the entry position b runs, or -1: no adapter, an empty entry, or a zero
+ * multiplier on an entry without a DoRA member (which applies its row factor
+ * at scale 0 too) */
 static int64_t entry_of_(const lora_plan *p, const int64_t *entry_ids, int64_t b) {
     const int64_t i = b / p->every, e = entry_ids ? entry_ids[i] : 0;
     if (e < 0 || p->first[e + 1] == p->first[e]) return -1;
-    if (p->pos_scales && p->pos_scales[i] == 0.0) return -1;
+    if (p->pos_scales && p->pos_scales[i] == 0.0) {
+        for (int64_t q = p->first[e]; q < p->first[e + 1]; q++)
+            if (lora_factor_of(p, b, q)) return e;
+        return -1;
+    }
     return e;
 }
 
@@ -132,7 +138,8 @@ int lora_plan_call(lora_plan *p, int64_t n_entries, const int64_t *first,
                    const lora_delta *const *deltas, const double *scales,
                    const int64_t *entry_ids, const double *pos_scales, int64_t every,
                    int64_t rows, int64_t cols, int64_t n, void *out, int out_dtype, int64_t ldo,
-                   int64_t *bad, int64_t *stack_buf, int64_t **heap_buf) {
+                   const float *const *factors, int64_t fac_stride, int64_t *bad,
+                   int64_t *stack_buf, int64_t **heap_buf) {
     *heap_buf = NULL;
     if (bad) *bad = -1;
     if (n_entries < 1 || rows < 1 || cols < 1 || n < 0 || every < 1) return LORA_ERR_ARG;
@@ -143,6 +150,8 @@ int lora_plan_call(lora_plan *p, int64_t n_entries, const int64_t *first,
     p->pos_scales = pos_scales, p->every = every;
     p->out = (char *)out, p->out_dtype = out_dtype, p->ldo = ldo;
     p->x_every = 1;
+    p->factors = factors, p->fac_stride = fac_stride;
+    if (factors && fac_stride < 0) return LORA_ERR_ARG;
     for (int64_t q = 0; q < first[n_entries]; q++) {
         const lora_delta *d = deltas[q];
         if (!d || d->rows != rows || d->cols != cols) return LORA_ERR_ARG;
@@ -178,8 +187,12 @@ int lora_plan_call(lora_plan *p, int64_t n_entries, const int64_t *first,
         }
     }
     if (n == 0 || first[n_entries] == 0) return LORA_OK;
-    int any = 0; /* all scales 0: nothing to do, not even waking a team */
+    int any = 0; /* all scales 0 and no row factor: nothing to do, not even waking a team */
     for (int64_t q = 0; q < first[n_entries]; q++) any |= (float)scales[q] != 0.0f;
+    if (factors) {
+        const int64_t n_fac = (fac_stride ? n_ids : 1) * (fac_stride ? fac_stride : first[n_entries]);
+        for (int64_t k = 0; !any && k < n_fac; k++) any |= factors[k] != NULL;
+    }
     if (!any) return LORA_OK;
     if (entry_ids || pos_scales) {
         const int64_t need = 3 * (n + n_entries) + 2;
