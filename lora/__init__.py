@@ -16,6 +16,7 @@ from .accelerate import accelerate_peft
 from .adapter_set import AdapterSet
 from .bank import LoraBank
 from .delta import LoraDelta
+from .dora import DoraDelta
 from .errors import LoraFormatError, LoraShapeError
 from .experts import LoraExperts
 from .adapter import LoraAdapter
@@ -29,6 +30,7 @@ __all__ = [
     "LoraShapeError",
     "LoraFormatError",
     "LoraDelta",
+    "DoraDelta",
     "LoraStack",
     "LoraExperts",
     "LoraBank",

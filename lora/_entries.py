@@ -43,8 +43,11 @@ _F64 = np.dtype(np.float64)
 _I64 = arrays.I64
 _lora_apply_batch = lib.lora_apply_batch
 _lora_apply_rows = lib.lora_apply_rows
+_lora_apply_batch_dora = lib.lora_apply_batch_dora
+_lora_apply_rows_dora = lib.lora_apply_rows_dora
 _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
 _EPOCH = _scale_mod.epoch
+_F32_OVERFLOW = _scale_mod.F32_OVERFLOW
 
 
 class Member(NamedTuple):
@@ -112,7 +115,8 @@ class EntryTable:
 
     __slots__ = ("_entries", "_shape", "_expert_shape", "_what", "_routed", "stale", "members",
                  "ptrs", "first", "starts", "starts_c", "n_kernel", "_scale_objs", "_scale_idx",
-                 "_factors", "_values", "_scales_c", "_epoch", "__weakref__")
+                 "_factors", "_values", "_scales_c", "_epoch", "_c_batch", "_c_rows", "_dora",
+                 "_fac_cache", "__weakref__")
 
     def __init__(self, entries, what="bank entry", *, routed=False):
         self._entries = list(entries)
@@ -175,6 +179,13 @@ class EntryTable:
             self._scale_idx.append(k)
         self._factors = [m.factor for m in members]
         self.members = members
+        # members with a row factor (DoRA): the C calls then carry the factor table
+        self._dora = [q for q, m in enumerate(members) if m.extra is not None]
+        self._fac_cache = None
+        if self._dora:
+            self._c_batch, self._c_rows = self._dora_batch, self._dora_rows
+        else:
+            self._c_batch, self._c_rows = _lora_apply_batch, _lora_apply_rows
         self.ptrs = ffi.new("lora_delta *[]", [m.ptr for m in members])
         self.first = ffi.new("int64_t[]", first)
         self.n_kernel = len(first) - 1
@@ -231,6 +242,49 @@ class EntryTable:
         self._epoch = epoch
         return self._scales_c
 
+    # ------------------------------------------------------- row factors (DoRA)
+    def _factor_table(self, scales, idp, posp, every, n, gather):
+        """(float *[] of row factors, stride) for lora_apply_*_dora: per member, or with
+        per-position scales per adapter id and member; each DoRA member's factor for the
+        float32 scale the kernels use at that place (the member's ``extra`` makes and caches
+        it).  Ids and scales C will refuse are left to C (their slots stay NULL)."""
+        if posp == NULL:
+            cached = self._fac_cache
+            if cached is not None and cached[0] is scales and cached[1] == gather:
+                return cached[2], 0
+            table = ffi.new("float *[]", len(self.members))
+            for q in self._dora:
+                table[q] = self.members[q].extra._factor_ptr(scales[q], gather)
+            self._fac_cache = (scales, gather, table)
+            return table, 0
+        nq = len(self.members)
+        n_ids = (n + every - 1) // every
+        table = ffi.new("float *[]", max(n_ids * nq, 1))
+        dora, first, members = set(self._dora), self.first, self.members
+        for i in range(n_ids):
+            e = idp[i] if idp != NULL else 0
+            if e < 0 or e >= self.n_kernel:
+                continue
+            mul = posp[i]
+            for q in range(first[e], first[e + 1]):
+                if q in dora:
+                    s = scales[q] * mul
+                    if abs(s) < _F32_OVERFLOW:
+                        table[i * nq + q] = members[q].extra._factor_ptr(s, gather)
+        return table, nq
+
+    def _dora_batch(self, n_kernel, first, ptrs, scales, idp, posp, every, rows, cols, n, xp, xc,
+                    ldx, op, oc, ldo, bad):
+        table, stride = self._factor_table(scales, idp, posp, every, n, False)
+        return _lora_apply_batch_dora(n_kernel, first, ptrs, scales, idp, posp, every, rows, cols,
+                                      n, xp, xc, ldx, op, oc, ldo, table, stride, bad)
+
+    def _dora_rows(self, n_kernel, first, ptrs, scales, idp, posp, every, rows, cols, n, ids, op,
+                   oc, ldo, bad):
+        table, stride = self._factor_table(scales, idp, posp, every, n, True)
+        return _lora_apply_rows_dora(n_kernel, first, ptrs, scales, idp, posp, every, rows, cols,
+                                     n, ids, op, oc, ldo, table, stride, bad)
+
     def resident_bytes(self):
         if self.stale:
             self._rebuild()
@@ -266,8 +320,8 @@ class EntryTable:
         r = arrays.token_id(r, rows)
         op, oc, _, _ = arrays.check_out(out_row, (cols,), "out_row")
         ids = ffi.new("int64_t[1]", [r])
-        status = _lora_apply_rows(self.n_kernel, self.first, self.ptrs, self.scales(), NULL,
-                                  NULL, 1, rows, cols, 1, ids, op, oc, cols, NULL)
+        status = self._c_rows(self.n_kernel, self.first, self.ptrs, self.scales(), NULL, NULL, 1,
+                              rows, cols, 1, ids, op, oc, cols, NULL)
         if status:
             arrays.raise_status(status)
         return out_row
@@ -325,8 +379,8 @@ class EntryTable:
         if not n:
             return 0
         bad = ffi.new("int64_t *")
-        status = _lora_apply_batch(self.n_kernel, self.first, self.ptrs, self.scales(), idp,
-                                   posp, 1, rows, cols, n, xp, xc, cols, op, oc, rows, bad)
+        status = self._c_batch(self.n_kernel, self.first, self.ptrs, self.scales(), idp, posp, 1,
+                               rows, cols, n, xp, xc, cols, op, oc, rows, bad)
         if status and status != ERR_ALIGN:
             self._raise(status, adapter_ids, scales, bad=bad)
         return status
@@ -345,9 +399,9 @@ class EntryTable:
         ids, idp, pos, posp, every = self._ids(adapter_ids, scales, tok.shape)
         if n:
             bad = ffi.new("int64_t *")
-            status = _lora_apply_rows(self.n_kernel, self.first, self.ptrs, self.scales(), idp,
-                                      posp, every, rows, cols, n,
-                                      from_buffer(INT64S, tok), op, oc, ldo, bad)
+            status = self._c_rows(self.n_kernel, self.first, self.ptrs, self.scales(), idp, posp,
+                                  every, rows, cols, n, from_buffer(INT64S, tok), op, oc, ldo,
+                                  bad)
             if status:
                 self._raise(status, ids, pos, tok=tok, bad=bad)
         return out
@@ -431,8 +485,8 @@ def with_scales(ids, scales, every):
 def _apply_vec(table, xp, xc, op, oc):
     """`EntryTable.apply_vec`'s C call in the dispatch's form (see lora._dispatch)."""
     rows, cols = table._shape
-    return _lora_apply_batch(table.n_kernel, table.first, table.ptrs, table.scales(), NULL, NULL,
-                             1, rows, cols, 1, xp, xc, cols, op, oc, rows, NULL)
+    return table._c_batch(table.n_kernel, table.first, table.ptrs, table.scales(), NULL, NULL, 1,
+                          rows, cols, 1, xp, xc, cols, op, oc, rows, NULL)
 
 
 def _apply_batch(extra, lead, n, xp, xc, ldx, op, oc, ldo):
@@ -460,8 +514,8 @@ def _apply_batch(extra, lead, n, xp, xc, ldx, op, oc, ldo):
     if not n:
         return 0
     bad = ffi.new("int64_t *") if idp is not NULL or lead is not None else NULL
-    status = _lora_apply_batch(table.n_kernel, table.first, table.ptrs, table.scales(), idp, posp,
-                               every, rows, cols, n, xp, xc, ldx, op, oc, ldo, bad)
+    status = table._c_batch(table.n_kernel, table.first, table.ptrs, table.scales(), idp, posp,
+                            every, rows, cols, n, xp, xc, ldx, op, oc, ldo, bad)
     if status and (lead is not None or status == _ERR_ADAPTER):
         table._raise(status, ids, pos, bad=bad)
     return status
