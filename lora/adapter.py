@@ -21,6 +21,7 @@ import numpy as np
 from . import _dtypes as dtypes
 from ._byvalue import ByValue
 from .delta import LoraDelta, peft_delta
+from .dora import DoraDelta
 from .experts import LoraExperts
 from .errors import LoraFormatError, LoraShapeError
 from .scale import F32_OVERFLOW, LoraScale
@@ -141,9 +142,9 @@ class LoraAdapter(ByValue, Mapping):
         for key, delta in items.items():
             if not isinstance(key, str):
                 raise TypeError(f"adapter target names must be str, got {key!r}")
-            if not isinstance(delta, (LoraDelta, LoraExperts)):
-                raise TypeError(f"target {key!r}: expected a LoraDelta or LoraExperts, got "
-                                f"{type(delta).__name__}")
+            if not isinstance(delta, (LoraDelta, DoraDelta, LoraExperts)):
+                raise TypeError(f"target {key!r}: expected a LoraDelta, DoraDelta or LoraExperts, "
+                                f"got {type(delta).__name__}")
             if delta.scale is not scale:
                 raise ValueError(f"target {key!r}: every delta of an adapter must share its LoraScale")
         self._deltas = items
@@ -297,6 +298,9 @@ class LoraAdapter(ByValue, Mapping):
                     f"adapter '{self._name}': target '{name}' has no {other} name in the Llama "
                     f"family map (blk.N.attn_q/k/v/output, ffn_gate/up/down, token_embd, output "
                     f"<-> model.layers.N.self_attn/mlp.*_proj, model.embed_tokens, lm_head)")
+            if isinstance(delta, DoraDelta):
+                raise LoraFormatError(f"adapter '{self._name}': target '{name}' is a DoRA delta; "
+                                      f"GGUF has no DoRA, so it has no other naming to move to")
             new_name, part = renamed
             perm = None
             if part in _ROPE_PERMUTED:
@@ -344,13 +348,16 @@ class Pair:
     """One validated target in our layout, before it becomes a `LoraDelta` (2-D factors) or a
     `LoraExperts` (3-D: a [E, rank, cols], b [E, rows, rank])."""
 
-    __slots__ = ("name", "a", "b", "alpha", "rslora", "zero_alpha", "storage", "tensors")
+    __slots__ = ("name", "a", "b", "alpha", "rslora", "zero_alpha", "storage", "tensors",
+                 "dora")
 
     def __init__(self, name, a, b, *, alpha, rslora, zero_alpha, storage, tensors):
         self.name, self.a, self.b = name, a, b        # a [rank, cols], b [rows, rank]
         self.alpha, self.rslora, self.zero_alpha = alpha, rslora, zero_alpha
         self.storage = storage                        # "float32" | "float16" | "bfloat16"
         self.tensors = tensors                        # the file's two tensor names, for messages
+        # DoRA: (magnitude, base weight [rows, cols] (a view), embedding rule, magnitude key)
+        self.dora = None
 
 
 
@@ -430,6 +437,12 @@ def build_adapter(pairs, *, path, name, alpha, scale, dtype, invocation_tokens=N
             raise
         except (ValueError, TypeError) as exc:
             raise format_error(path, f"cannot be stored as {storage}: {exc}", pair=p.tensors) from exc
+        if p.dora is not None:
+            magnitude, base, embedding, mag_key = p.dora
+            try:
+                delta = DoraDelta._over(delta, magnitude, base, embedding)
+            except (ValueError, TypeError) as exc:
+                raise format_error(path, f"DoRA module '{p.name}': {exc}", tensor=mag_key) from exc
         if not abs(delta.effective_scale) < F32_OVERFLOW:
             raise format_error(path, f"alpha {p.alpha:g} at rank {delta.rank} gives the effective "
                                      f"scale {delta.effective_scale:g} (scale x alpha factor), "

@@ -22,13 +22,15 @@ __all__ = ["load_peft"]
 # <prefix?><module>.lora_A[.<adapter>].weight  and  <prefix?><module>.lora_embedding_A[.<adapter>]
 _PEFT_LINEAR = re.compile(r"^(?P<module>.+?)\.lora_(?P<half>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 _PEFT_EMBED = re.compile(r"^(?P<module>.+?)\.lora_embedding_(?P<half>[AB])(?:\.(?P<adapter>[^.]+))?$")
+# DoRA: <prefix?><module>.lora_magnitude_vector[.<adapter>][.weight]
+_PEFT_MAGNITUDE = re.compile(r"^(?P<module>.+?)\.lora_magnitude_vector"
+                             r"(?:\.(?P<adapter>(?!weight$)[^.]+))?(?:\.weight)?$")
 _PEFT_PREFIX = "base_model.model."
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 # Config switches that change what the adapter computes, so loading the plain B·A would be wrong.
 _PEFT_REFUSED = {
-    "use_dora": "DoRA (use_dora) rescales the merged weight column-wise; it is not a plain LoRA delta",
     "lora_bias": "lora_bias adds a bias vector to lora_B; only bias-free LoRA is supported",
     "use_qalora": "QA-LoRA pools the input before lora_A; not a plain LoRA delta",
     "use_bdlora": "BD-LoRA (use_bdlora) is not a plain LoRA delta",
@@ -127,7 +129,7 @@ def _peft_config(cfg_path):
             out[k] = int(v) if integer else float(v)
         return out
 
-    for flag in ("use_rslora", "fan_in_fan_out"):
+    for flag in ("use_rslora", "fan_in_fan_out", "use_dora"):
         if not isinstance(cfg.get(flag, False), bool):
             raise format_error(cfg_path, f"must be true or false, got {cfg[flag]!r}", key=flag)
 
@@ -146,6 +148,8 @@ def _peft_config(cfg_path):
         "r": number("r", 8, integer=True, positive=True),
         "lora_alpha": number("lora_alpha", 8),
         "use_rslora": cfg.get("use_rslora", False),
+        "use_dora": cfg.get("use_dora", False),
+        "fan_in_fan_out": cfg.get("fan_in_fan_out", False),
         "rank_pattern": pattern("rank_pattern", integer=True),
         "alpha_pattern": pattern("alpha_pattern", integer=False),
         "target_modules": targets,
@@ -221,7 +225,7 @@ def _refuse_a_non_adapter(weights_path, cfg_path):
                            "there is no adapter_config.json beside it")
 
 
-def _peft_parse(weights_path, cfg_path, shapes=None):
+def _peft_parse(weights_path, cfg_path, shapes=None, base=None):
     from safetensors import safe_open
 
     _refuse_a_non_adapter(weights_path, cfg_path)
@@ -230,6 +234,7 @@ def _peft_parse(weights_path, cfg_path, shapes=None):
 
     halves = {}      # module -> {"A": (key, dtype, shape), "B": ...}
     kinds = {}       # module -> "linear" | "embedding"
+    magnitudes = {}  # module -> (key, dtype, shape): DoRA
     order = []
     adapter_names = set()
     for key, dt, shape in headers:
@@ -237,9 +242,22 @@ def _peft_parse(weights_path, cfg_path, shapes=None):
         if m is None:
             if key.endswith(".base_layer.weight"):
                 continue        # the full base copy PEFT saves when embeddings are targeted
-            if "lora_magnitude_vector" in key:
-                raise format_error(weights_path, "unsupported: a DoRA magnitude vector (use_dora); "
-                             "DoRA is not a plain LoRA delta", tensor=key)
+            mag = _PEFT_MAGNITUDE.match(key)
+            if mag is not None:
+                if not cfg["use_dora"]:
+                    raise format_error(weights_path, f"a DoRA magnitude vector, but "
+                                       f"{cfg_path.name} does not set use_dora", tensor=key)
+                module = mag.group("module")
+                if module.startswith(_PEFT_PREFIX):
+                    module = module[len(_PEFT_PREFIX):]
+                if len(shape) != 1 or dt not in _SAFETENSORS_DTYPES:
+                    raise format_error(weights_path, f"a DoRA magnitude must be a 1-D F32, F16, "
+                                       f"BF16 or F64 vector; got {dt} {list(shape)}", tensor=key)
+                if module in magnitudes:
+                    raise format_error(weights_path, f"duplicates '{magnitudes[module][0]}'",
+                                       tensor=key)
+                magnitudes[module] = (key, dt, shape)
+                continue
             raise format_error(weights_path, "unknown key: not a PEFT LoRA tensor (want "
                          "<module>.lora_A.weight / .lora_B.weight / .lora_embedding_A / "
                          ".lora_embedding_B)", tensor=key)
@@ -279,6 +297,8 @@ def _peft_parse(weights_path, cfg_path, shapes=None):
     # LoRA on raw parameters (target_parameters: the experts of MoE layers), resolved apart
     order, params = _experts.take_param_targets(weights_path, cfg_path, cfg, halves, kinds, order,
                                                 shapes, _peft_pattern_key)
+
+    dora_bases = _dora_bases(weights_path, cfg_path, cfg, order, kinds, magnitudes, params, base)
 
     # Pairing, ranks and scales for every module before any value is read.
     plan = []
@@ -323,8 +343,13 @@ def _peft_parse(weights_path, cfg_path, shapes=None):
                 # (PEFT Embedding: F.embedding(x, A.T) @ B.T), i.e. row t of s * A.T @ B.T.
                 a, b = b.T, a.T      # ours: a [r, dim], b [vocab, r]
             storage = pair_storage(_np_storage(a.dtype), _np_storage(b.dtype))
-            pairs.append(Pair(module, a, b, alpha=alpha, rslora=cfg["use_rslora"],
-                               zero_alpha=(alpha == 0.0), storage=storage, tensors=(ka, kb)))
+            pair = Pair(module, a, b, alpha=alpha, rslora=cfg["use_rslora"],
+                        zero_alpha=(alpha == 0.0), storage=storage, tensors=(ka, kb))
+            if module in dora_bases:
+                mkey = magnitudes[module][0]
+                mag = _read_tensor(fh, weights_path, mkey)
+                pair.dora = (mag, dora_bases[module], kinds[module] == "embedding", mkey)
+            pairs.append(pair)
         for p in params:
             a, b = _read_pair(fh, weights_path, p.ka, p.kb)
             storage = pair_storage(_np_storage(a.dtype), _np_storage(b.dtype))
@@ -334,21 +359,64 @@ def _peft_parse(weights_path, cfg_path, shapes=None):
     return cfg, pairs, _unmatched_pattern_keys(cfg, order + [p.name for p in params])
 
 
+def _read_tensor(fh, weights_path, key):
+    """One tensor's values: read, checked finite, F64 narrowed to float32."""
+    try:
+        arr = fh.get_tensor(key)
+    except Exception as exc:
+        raise format_error(weights_path, f"cannot be read: {exc}", tensor=key) from exc
+    check_finite(weights_path, key, arr)
+    if arr.dtype == np.float64:
+        if np.abs(arr).max() > np.finfo(np.float32).max:
+            raise format_error(weights_path, "F64 values overflow float32", tensor=key)
+        arr = arr.astype(np.float32)
+    return arr
+
+
 def _read_pair(fh, weights_path, ka, kb):
     """The two factors' values: read, checked finite, F64 narrowed to float32."""
-    arrays = []
-    for key in (ka, kb):
-        try:
-            arr = fh.get_tensor(key)
-        except Exception as exc:
-            raise format_error(weights_path, f"cannot be read: {exc}", tensor=key) from exc
-        check_finite(weights_path, key, arr)
-        if arr.dtype == np.float64:
-            if np.abs(arr).max() > np.finfo(np.float32).max:
-                raise format_error(weights_path, "F64 values overflow float32", tensor=key)
-            arr = arr.astype(np.float32)
-        arrays.append(arr)
-    return arrays
+    return [_read_tensor(fh, weights_path, key) for key in (ka, kb)]
+
+
+def _dora_bases(weights_path, cfg_path, cfg, order, kinds, magnitudes, params, base):
+    """{module: its base weight in our layout [rows, cols]} for a DoRA file (``use_dora``), from
+    ``base=`` (keys: the module name, with or without ``.weight``, PEFT's ``base_model.model.``
+    and ``.base_layer`` wrappers allowed; a ``fan_in_fan_out`` weight [in, out] is taken through
+    its transposed view); {} for a plain file.  LoraFormatError for a DoRA file without ``base``,
+    a module without its magnitude or its base weight."""
+    if not cfg["use_dora"]:
+        return {}
+    if params:
+        raise format_error(cfg_path, "unsupported: DoRA (use_dora) on target_parameters (the "
+                           "experts of MoE layers)", key="use_dora")
+    if base is None:
+        raise format_error(cfg_path, "a DoRA adapter (use_dora) needs the base weights, which its "
+                           "norms are taken over: pass base= (e.g. load_peft(path, "
+                           "base=model.state_dict()), or {module name: weight})", key="use_dora")
+    for module, (key, _, _) in magnitudes.items():
+        if module not in kinds:
+            raise format_error(weights_path, f"a DoRA magnitude for module '{module}', which has "
+                               f"no lora_A/lora_B pair", tensor=key)
+    values = {}
+    for key, value in base.items():  # base_shapes checked the mapping and its keys
+        values.setdefault(_experts._unwrapped(key), value)
+    out = {}
+    for module in order:
+        if module not in magnitudes:
+            raise format_error(weights_path, f"DoRA module '{module}' has no "
+                               f"lora_magnitude_vector (use_dora is set)")
+        w = values.get(module, values.get(module + ".weight"))
+        if w is None:
+            raise format_error(weights_path, f"DoRA module '{module}' needs its base weight, and "
+                               f"base= has no '{module}' or '{module}.weight'")
+        if not hasattr(w, "dtype") or len(getattr(w, "shape", ())) != 2:
+            raise format_error(weights_path, f"DoRA module '{module}': base['{module}'] must be "
+                               f"the 2-D weight (an array or tensor), not "
+                               f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))}")
+        if cfg["fan_in_fan_out"] and kinds[module] == "linear":
+            w = w.T  # a Conv1D weight is [in, out]: its transposed view is [out, in]
+        out[module] = w
+    return out
 
 
 def _unmatched_pattern_keys(cfg, modules):
@@ -392,6 +460,14 @@ def load_peft(path, *, scale=1.0, dtype=None, base=None):
     decides levels the file leaves ambiguous and is checked against the file: a parameter whose
     expert count or shape disagrees is a `LoraFormatError` naming both.
 
+    DoRA (``use_dora`` in the config, ``<module>.lora_magnitude_vector`` tensors): each module
+    becomes a `DoraDelta` (an embedding one with ``embedding=True``, PEFT's per-column rule),
+    which needs the module's base weight: ``base`` then maps the module name, with or without
+    ``.weight`` (a transformers ``state_dict()``, also a PEFT model's with its
+    ``.base_layer.weight`` keys), to the weight as an array or tensor in the model's layout
+    (``fan_in_fan_out``: ``[in, out]``, read through its transposed view).  The weights are read
+    once into the deltas' statistics, not kept.
+
     Scale (PEFT ``tuners/lora``): ``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``, per
     module after ``rank_pattern`` / ``alpha_pattern`` (first key ``k`` in file order with
     ``re.match(rf"(.*\\.)?({k})$", module)``), times ``scale`` (a float or a `LoraScale` to
@@ -405,7 +481,8 @@ def load_peft(path, *, scale=1.0, dtype=None, base=None):
     Raises `LoraFormatError` (naming the file and the tensor or config key) for a file that is not
     a LoRA adapter (a random file, or a base model's ``model.safetensors``: no lora_A/lora_B
     tensors and no config beside it), nested parameter levels that the file and ``base`` do
-    not resolve, a missing or unreadable config, ``peft_type`` other than LORA, DoRA, ``lora_bias``, other non-LoRA
+    not resolve, a DoRA file without ``base`` or whose ``base`` lacks a module's weight, a
+    missing or unreadable config, ``peft_type`` other than LORA, ``lora_bias``, other non-LoRA
     options, ``alora_invocation_tokens`` that are not a list of non-negative ints, a truncated or foreign file, an unknown key, a pair missing a half, shapes or ranks
     that do not pair, an unsupported dtype or non-finite values; ``FileNotFoundError`` for a
     missing path; ``ValueError`` for a bad ``dtype`` or ``scale``, ``TypeError`` for a ``base``
@@ -415,7 +492,7 @@ def load_peft(path, *, scale=1.0, dtype=None, base=None):
     shared = scale_arg(scale)
     shapes = _experts.base_shapes(base)
     weights_path, cfg_path, name = _peft_paths(path)
-    cfg, pairs, unmatched = _peft_parse(weights_path, cfg_path, shapes)
+    cfg, pairs, unmatched = _peft_parse(weights_path, cfg_path, shapes, base)
     adapter = build_adapter(pairs, path=weights_path, name=name, alpha=cfg["lora_alpha"],
                             scale=shared, dtype=storage,
                             invocation_tokens=cfg["alora_invocation_tokens"])
