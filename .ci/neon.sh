@@ -19,7 +19,7 @@
 #     sizes, stacks, zero scales, paths agree), test_bank, test_half, test_threads (incl. fork),
 #     test_contract, test_delta's accuracy tests on NEON, test_activations' merges (w
 #     widened and narrowed through the NEON table; see SUBSET for what is left out), and
-#     test_experts (routed experts: every routing form, dtype and thread count), and test_dora
+#     test_experts (routed experts: every routing form, dtype and thread count); and test_dora
 #     (DoRA's row factor, applied around the NEON kernels, in every op, stack and bank).
 #  What it cannot check: speed (qemu is an emulator; no timing here means anything), and
 #  CPU-specific behaviour of real aarch64 cores (qemu implements the architecture, and the

@@ -54,6 +54,9 @@ int lora_dora_stats(const lora_delta *d, int by_col, const void *w, int w_dtype,
         for (int64_t t = 0; t < r; t++) pt[j * r + t] = p_at_(d, by_col, t, j);
     const int64_t nblk = (n + DORA_ROWS - 1) / DORA_ROWS;
     const int nt = lora_call_threads(n * k * (r + 1));
+#ifndef _OPENMP
+    (void)nt; /* a serial build: one thread */
+#endif
     int st = LORA_OK;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -114,6 +117,9 @@ int lora_dora_factor(const lora_delta *d, int by_col, const double *sq, const do
     if (!d) return LORA_ERR_ARG;
     const int64_t r = d->rank, n = by_col ? d->cols : d->rows;
     const int nt = lora_call_threads(n * r * (r + 2));
+#ifndef _OPENMP
+    (void)nt;
+#endif
     int64_t first_bad = n;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static) reduction(min : first_bad)

@@ -980,10 +980,11 @@ def test_peft_refuses_values_that_overflow_the_requested_storage(peft_dir):
                          Q_KEY + ".lora_A.weight", Q_KEY + ".lora_B.weight", "float16")
 
 
-def test_peft_refuses_dora(peft_dir):
+def test_peft_dora_needs_its_base_and_its_flag(peft_dir):
     tensors = _q_pair()
     path = peft_dir(tensors, af.peft_config(use_dora=True))
-    _assert_format_error(lambda: load_peft(path), path / "adapter_config.json", "use_dora", "DoRA")
+    _assert_format_error(lambda: load_peft(path), path / "adapter_config.json", "use_dora", "DoRA",
+                         "base=")
     tensors[Q_KEY + ".lora_magnitude_vector"] = np.ones(24, np.float32)
     path = peft_dir(tensors, name="dora2")            # magnitude vector, config flag absent
     _assert_format_error(lambda: load_peft(path), path / "adapter_model.safetensors",
