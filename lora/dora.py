@@ -54,6 +54,20 @@ def _base_array(base, rows, cols, what="base"):
     return arr
 
 
+def _restore(a_bits, b_bits, dtype, alpha, rslora, factor, scale, magnitude, stats, embedding,
+             merged):
+    """Unpickling (see `DoraDelta.__reduce__`): the pair from its stored bits, the magnitude and
+    the base statistics as they were; the base itself is never pickled."""
+    numpy_dtype = dtypes.BY_NAME[dtype].numpy
+    delta = LoraDelta(a_bits.view(numpy_dtype), b_bits.view(numpy_dtype), alpha=alpha,
+                      scale=scale, rslora=rslora, dtype=dtype)
+    delta._alpha_factor = factor
+    self = DoraDelta.__new__(DoraDelta)
+    self._init(delta, magnitude, None, embedding, stats=stats)
+    self._merged = [np.array(g, dtype=_F32) for g in merged]
+    return self
+
+
 @entry_type(stackable=True)
 class DoraDelta:
     """A DoRA adapter of one layer: PEFT's ``use_dora=True``, magnitude-scaled LoRA.
@@ -98,7 +112,7 @@ class DoraDelta:
         self._init(delta, magnitude, base, embedding)
         return self
 
-    def _init(self, delta, magnitude, base, embedding):
+    def _init(self, delta, magnitude, base, embedding, stats=None):
         if not isinstance(embedding, (bool, np.bool_)):
             raise TypeError(f"embedding must be True or False; got {embedding!r}")
         self._delta = delta
@@ -117,7 +131,10 @@ class DoraDelta:
         self._mag = mag
         self._mag_c = ffi.from_buffer(_FLOATS, mag)
         self._merged = []
-        self._set_base(base)
+        if stats is None:
+            self._set_base(base)
+        else:
+            self._set_stats(*(np.array(v, dtype=_F64) for v in stats))
         self._table = EntryTable([self], "DoRA delta")
 
     # ------------------------------------------------------------ statistics
@@ -129,14 +146,22 @@ class DoraDelta:
         sq, vp, gram = np.empty(n, _F64), np.empty((n, r), _F64), np.empty((r, r), _F64)
         st_r, st_c = (s // arr.itemsize for s in arr.strides)
         ld_i, ld_k = (st_c, st_r) if self._embedding else (st_r, st_c)
-        keep = (ffi.from_buffer(_DOUBLES, sq), ffi.from_buffer(_DOUBLES, vp),
-                ffi.from_buffer(_DOUBLES, gram))
+        keep = tuple(ffi.from_buffer(_DOUBLES, v) for v in (sq, vp, gram))
         ptr = ffi.cast("void *", arr.__array_interface__["data"][0])
         status = lib.lora_dora_stats(d._ptr, int(self._embedding), ptr, arrays.np_code(arr.dtype),
                                      ld_i, ld_k, *keep)
         if status:
             arrays.raise_status(status)
-        self._sq, self._vp, self._gram, self._stats_c = sq, vp, gram, keep
+        self._set_stats(sq, vp, gram)
+
+    def _set_stats(self, sq, vp, gram):
+        d = self._delta
+        n = d.cols if self._embedding else d.rows
+        if sq.shape != (n,) or vp.shape != (n, d.rank) or gram.shape != (d.rank, d.rank):
+            raise ValueError(f"DoRA statistics of shapes {sq.shape}, {vp.shape}, {gram.shape} do "
+                             f"not fit a rank-{d.rank} [{d.rows} x {d.cols}] pair")
+        self._sq, self._vp, self._gram = sq, vp, gram
+        self._stats_c = tuple(ffi.from_buffer(_DOUBLES, v) for v in (sq, vp, gram))
         self._g = {}
 
     def set_base(self, w):
@@ -228,6 +253,18 @@ class DoraDelta:
         member's extra (its row factors)."""
         d = self._delta
         return ((Member(d._ptr, d._scale, d._alpha_factor, self, self),),)
+
+    # ------------------------------------------------------------ pickling
+    def __reduce__(self):
+        """Pickles the pair's stored bits, alpha, the `LoraScale`, the magnitude and the float64
+        base statistics (not the base, which the delta never keeps); the copy computes the same
+        bits."""
+        d = self._delta
+        a, b = d.lora_weights()
+        bits = dtypes.BY_NAME[d.dtype].bits
+        return _restore, (a.view(bits), b.view(bits), d.dtype, d.alpha, d.rslora,
+                          d._alpha_factor, d.scale, self._mag, (self._sq, self._vp, self._gram),
+                          self._embedding, list(self._merged))
 
     # ------------------------------------------------------------ apply
     def add_to(self, x, out):

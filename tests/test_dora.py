@@ -495,3 +495,25 @@ def test_peft_file_refusals(tmp_path):
     wrong[key] = state[key][:, :-1]
     with pytest.raises(lora.LoraFormatError, match=r"q_proj.*\[32 x 32\]"):
         lora.load_peft(path, base=wrong)
+
+
+def test_pickles_keep_the_statistics_not_the_base():
+    import copy
+    import pickle
+
+    rng = _rng(16)
+    d, base = make_dora(rng, 5, 30, 200, "float16", alpha=5, scale=0.75)
+    x = rng.standard_normal((4, 200)).astype(np.float32)
+    out0 = (x @ base.T).astype(np.float32)
+    blob = pickle.dumps(d)
+    assert len(blob) < base.nbytes     # the base is not in it
+    again = pickle.loads(blob)
+    assert isinstance(again, lora.DoraDelta) and again.scale.value == 0.75
+    assert_same_bits(again.add_batch_to(x, out0.copy()), d.add_batch_to(x, out0.copy()),
+                     "unpickled")
+    assert_same_bits(again.norm, d.norm, "norm")
+    deep = copy.deepcopy(d)
+    deep.scale.set(2.0)
+    assert d.scale.value == 0.75
+    shallow = copy.copy(d)
+    assert shallow.scale is d.scale
