@@ -1,4 +1,4 @@
-"""`accelerate_peft` for PEFT's plain LoRA ``Linear`` and ``Embedding`` layers (aLoRA included).
+"""`accelerate_peft` for PEFT's LoRA ``Linear`` and ``Embedding`` layers (aLoRA and DoRA included).
 
 A served layer computes PEFT's forward with the LoRA term from this library's kernels: the base
 layer by torch, then one entry-table call per layer (the active adapters as one stack, a mixed
@@ -6,6 +6,13 @@ batch's adapters as a bank), reading PEFT's own ``lora_A`` / ``lora_B`` tensors 
 `LoraDelta.view`.  The layer's ``scaling``, active adapters, merge state and ``adapter_names`` /
 aLoRA offsets are read at every call, as PEFT reads them; after the first call of a plain
 configuration, `Plan` keeps a short path valid while nothing it depends on moves.
+
+A DoRA adapter (``use_dora``) is a `DoraDelta` over the same views, its base statistics made
+from the base layer's weight and rebuilt when the weight, ``lora_A``, ``lora_B`` or the
+magnitude moved or changed (data pointer or version counter: in-place changes, ``.data``
+replacements; a raw write into ``.data`` needs ``acc.refresh()``).  Its row factor applies to
+the bias-free output, as PEFT's does: a Linear layer's bias is taken out of the base result
+before the DoRA terms and put back after.
 """
 
 import numpy as np
@@ -14,6 +21,7 @@ from . import _dtypes as dtypes
 from ._entries import EntryTable
 from .accelerate import ServedLayer, hook_reason
 from .delta import LoraDelta
+from .dora import DoraDelta
 from .scale import F32_OVERFLOW, LoraScale
 from .stack import LoraStack
 
@@ -33,9 +41,14 @@ class Kind:
             from peft.tuners.lora.variants import ALoraLinearVariant
         except ImportError:  # a PEFT without aLoRA
             ALoraLinearVariant = ()
+        try:
+            from peft.tuners.lora.variants import DoraEmbeddingVariant, DoraLinearVariant
+        except ImportError:  # a PEFT without variants: DoRA has no variant object there
+            DoraEmbeddingVariant = DoraLinearVariant = ()
         self.acc = acc
         self.linear, self.embedding = lora_layer.Linear, lora_layer.Embedding
         self.alora = ALoraLinearVariant
+        self.dora = (DoraLinearVariant, DoraEmbeddingVariant)
 
     def layer(self, name, module):
         """A served `Layer` patched over `module` when it is of this kind, else None."""
@@ -51,13 +64,20 @@ class Kind:
         adapters = names if names is not None else (
             list(module.lora_A) if linear else list(module.lora_embedding_A))
         for a in adapters:
-            if module.use_dora.get(a, False):
-                return f"adapter {a!r} uses DoRA"
+            dora = module.use_dora.get(a, False)
+            if dora:
+                dora_layer = module.lora_magnitude_vector[a]
+                if not linear and module._get_embed_scale() is not None:
+                    return f"adapter {a!r} uses DoRA on an embedding that scales its output"
+                if linear and bool(getattr(dora_layer, "fan_in_fan_out", False)) != bool(
+                        module.fan_in_fan_out):
+                    return f"adapter {a!r}: its DoRA layer's fan_in_fan_out is not the layer's"
             if module.lora_bias.get(a, False):
                 return f"adapter {a!r} has a lora_bias"
             variant = module.lora_variant.get(a)
             if variant is not None and not (linear and self.alora
-                                            and isinstance(variant, self.alora)):
+                                            and isinstance(variant, self.alora)) \
+                    and not (dora and isinstance(variant, self.dora)):
                 return f"adapter {a!r} is a {type(variant).__name__} variant"
         if not linear:
             if getattr(module, "input_fns", None) or getattr(module, "output_fns", None):
@@ -71,12 +91,13 @@ class Layer(ServedLayer):
     """One patched PEFT LoRA Linear or Embedding layer: views of its adapters' weights, the
     entry tables over them, and the short path for the next call."""
 
-    __slots__ = ("kind", "linear", "views", "tables", "plan")
+    __slots__ = ("kind", "linear", "views", "doras", "tables", "plan")
 
     def __init__(self, kind, name, module):
         self.kind = kind
         self.linear = type(module) is kind.linear
         self.views = {}   # adapter -> (key, LoraDelta view)
+        self.doras = {}   # DoRA adapter -> (key, DoraDelta over its view)
         self.tables = {}  # tuple of view ids -> (EntryTable, views kept alive)
         self.plan = None  # the short path for the next call, while nothing it depends on moves
         super().__init__(kind.acc, name, module)
@@ -86,6 +107,7 @@ class Layer(ServedLayer):
 
     def refresh(self):
         self.views.clear()
+        self.doras.clear()
         self.tables.clear()
         self.plan = None
 
@@ -93,6 +115,7 @@ class Layer(ServedLayer):
         self.plan = None
         super().unpatch()
         self.views.clear()
+        self.doras.clear()
         self.tables.clear()
 
     # ------------------------------------------------------------------ weights
@@ -105,20 +128,46 @@ class Layer(ServedLayer):
         return m.lora_embedding_A[a], m.lora_embedding_B[a]
 
     def view(self, a):
-        """A LoraDelta over adapter `a`'s tensors where they are (rebuilt when they moved), or a
-        reason string when they cannot be read in place."""
+        """A LoraDelta over adapter `a`'s tensors where they are (rebuilt when they moved), a
+        DoraDelta over that view for a DoRA adapter, or a reason string when they cannot be read
+        in place."""
         ta, tb = self._adapter_tensors(a)
         key = (ta.data_ptr(), tb.data_ptr(), ta.dtype, tb.dtype, tuple(ta.shape), tuple(tb.shape),
                ta.stride(), tb.stride())
         got = self.views.get(a)
         if got is not None and got[0] == key:
-            return got[1]
-        delta = self._make_view(a, ta, tb)
-        if isinstance(delta, str):
+            delta = got[1]
+        else:
+            delta = self._make_view(a, ta, tb)
+            if isinstance(delta, str):
+                return delta
+            self.views[a] = (key, delta)
+            self.tables.clear()  # tables over the old view would keep its memory alive
+        if not self.module.use_dora.get(a, False):
             return delta
-        self.views[a] = (key, delta)
-        self.tables.clear()  # tables over the old view would keep its memory alive
-        return delta
+        return self._dora(a, delta, ta, tb)
+
+    def _dora(self, a, view, ta, tb):
+        """The DoraDelta of DoRA adapter `a` over its view, its statistics rebuilt when the base
+        weight, A, B or the magnitude moved or changed (data pointer, version counter)."""
+        m = self.module
+        w = m.get_base_layer().weight
+        mag = m.lora_magnitude_vector[a].weight
+        key = (id(view),) + tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype)
+                                  for t in (w, mag, ta, tb))
+        got = self.doras.get(a)
+        if got is not None and got[0] == key:
+            return got[1]
+        if dtypes.torch_codes().get(w.dtype) is None or not w.is_cpu:
+            return f"adapter {a!r}: the base weight is {w.dtype} on {w.device}"
+        base = w.T if (self.linear and m.fan_in_fan_out) else w
+        try:
+            dora = DoraDelta._over(view, mag.detach(), base.detach(), not self.linear)
+        except ValueError as exc:  # a zero-norm row: PEFT's own forward gives inf / nan there
+            return f"adapter {a!r}: {exc}"
+        self.doras[a] = (key, dora)
+        self.tables.clear()
+        return dora
 
     def _make_view(self, a, ta, tb):
         name = dtypes.NAME_OF.get(dtypes.torch_codes().get(ta.dtype))
@@ -183,7 +232,9 @@ class Layer(ServedLayer):
             if x.requires_grad:
                 return "autograd is recording (the input requires grad)"
             for a in names:
-                if any(t.requires_grad for t in self._adapter_tensors(a)):
+                if any(t.requires_grad for t in self._adapter_tensors(a)) or (
+                        m.use_dora.get(a, False)
+                        and m.lora_magnitude_vector[a].weight.requires_grad):
                     return "autograd is recording (LoRA weights require grad)"
             if any(p.requires_grad for p in m.get_base_layer().parameters()):
                 return "autograd is recording (the base layer's weights require grad)"
@@ -240,7 +291,7 @@ class Layer(ServedLayer):
         if why is not None:
             acc._status[self.name] = why
             return self.original(x, *args, **kwargs)
-        m._check_forward_args(x, *args, **kwargs)
+        self._check_args(x, args, kwargs, adapter_names)
         kwargs.pop("adapter_names", None)
         alora_offsets = kwargs.pop("alora_offsets", None)
         if m.disable_adapters:
@@ -257,7 +308,8 @@ class Layer(ServedLayer):
             if names:
                 result_dtype_ok = self._active(x, result, names, alora_offsets)
                 if (result_dtype_ok and self.linear and not args and not kwargs and x.dim() > 1
-                        and alora_offsets is None and not any(self._is_alora(a) for a in names)):
+                        and alora_offsets is None and not any(self._is_alora(a) for a in names)
+                        and not any(m.use_dora.get(a, False) for a in names)):
                     self.plan = Plan(self, names, x.dim())
         if not result_dtype_ok:  # an output dtype the kernels do not write: PEFT computes it
             acc._status[self.name] = f"the layer's output is {result.dtype}"
@@ -267,6 +319,21 @@ class Layer(ServedLayer):
             return self.original(x, *args, **kwargs)
         acc._status[self.name] = None
         return result
+
+    def _check_args(self, x, args, kwargs, adapter_names):
+        """PEFT's checks of the forward's arguments, except its refusal of DoRA adapters in
+        ``adapter_names`` (the kernels serve such mixed batches): the same length and merge
+        checks, with PEFT's messages, then PEFT's own check for everything else."""
+        m = self.module
+        if adapter_names is None or not any(m.use_dora.get(a, False) for a in adapter_names):
+            m._check_forward_args(x, *args, **kwargs)
+            return
+        if len(x) != len(adapter_names):
+            raise ValueError(f"Length of `adapter_names` should be the same as the number of "
+                             f"inputs, but got {len(adapter_names)} and {len(x)} respectively.")
+        if m.merged:
+            raise ValueError("Cannot pass `adapter_names` when there are merged adapters, please "
+                             "call `unmerge_adapter` first.")
 
     def _scale(self, a):
         """PEFT's scaling of adapter `a`, read now (times an embedding's embed_scale)."""
@@ -304,6 +371,19 @@ class Layer(ServedLayer):
                 ids[b, t - k:] = slot
         return ids if len(shape) == 3 else ids[:, 0]
 
+    def _bias_out(self, names, result, sign):
+        """A Linear layer with DoRA adapters among `names` and a bias: the bias taken out of
+        (sign -1) or put back into (+1) `result`, since DoRA's row factor scales the bias-free
+        output (PEFT: ``base_result - bias``).  True when it did so."""
+        if not self.linear or not any(self.module.use_dora.get(a, False) for a in names):
+            return False
+        bias = getattr(self.module.get_base_layer(), "bias", None)
+        if bias is None:
+            return False
+        with self.acc._torch.no_grad():
+            result.add_(bias.to(result.dtype), alpha=sign)
+        return True
+
     def _run(self, table, x, result, ids=None):
         if self.linear:
             if result.dim() == 1:
@@ -318,10 +398,13 @@ class Layer(ServedLayer):
         output dtype is not one the kernels write."""
         if dtypes.torch_codes().get(result.dtype) is None:
             return False
-        views = [self.views[a][1] for a in names]  # their scales were set by forward()
+        views = [self._served(a) for a in names]  # their scales were set by forward()
         alora = [self._is_alora(a) for a in names]
         if not any(alora):
+            biased = self._bias_out(names, result, -1)
             self._run(self.table(views, True), x, result)
+            if biased:
+                self._bias_out(names, result, 1)
             return True
         # aLoRA: each adapter on its own positions, in order
         for v, is_alora in zip(views, alora):
@@ -342,7 +425,7 @@ class Layer(ServedLayer):
         if not names:
             return True
         slot = {a: i for i, a in enumerate(names)}
-        views = [self.views[a][1] for a in names]
+        views = [self._served(a) for a in names]
         table = self.table(views, False)
         alora = {a: self._is_alora(a) for a in names}
         per_row = [(slot.get(a, -1), alora.get(a, False)) for a in adapter_names]
@@ -350,8 +433,30 @@ class Layer(ServedLayer):
             ids = self._alora_ids(result, per_row, alora_offsets)
         else:
             ids = np.fromiter((s for s, _ in per_row), np.int64, len(per_row))
-        self._run(table, x, result, ids)
+        # DoRA rows: the bias out and back only where a DoRA adapter runs (a plain row keeps
+        # PEFT's result + term)
+        dora_rows = None
+        if self.linear and any(self.module.use_dora.get(a, False) for a in names):
+            bias = getattr(self.module.get_base_layer(), "bias", None)
+            if bias is not None:
+                is_dora = np.array([self.module.use_dora.get(a, False) for a in names] + [False])
+                dora_rows = np.flatnonzero(is_dora[ids.reshape(len(per_row), -1)[:, 0]])
+        if dora_rows is not None and dora_rows.size:
+            torch = self.acc._torch
+            sel = torch.from_numpy(dora_rows)
+            b = self.module.get_base_layer().bias.to(result.dtype)
+            with torch.no_grad():
+                result[sel] -= b
+                self._run(table, x, result, ids)
+                result[sel] += b
+        else:
+            self._run(table, x, result, ids)
         return True
+
+    def _served(self, a):
+        """What serves adapter `a` now: its DoraDelta (DoRA) or its LoraDelta view."""
+        got = self.doras.get(a) if self.module.use_dora.get(a, False) else None
+        return got[1] if got is not None else self.views[a][1]
 
 
 class Plan:

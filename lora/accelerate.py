@@ -2,7 +2,7 @@
 
 Every PEFT LoRA ``Linear`` and ``Embedding`` layer of the model gets a forward that computes the
 LoRA term with this library's kernels whenever autograd is not recording for it and dropout is
-inactive, and otherwise calls PEFT's own forward (training, DoRA, ``lora_bias``, other tuners).
+inactive, and otherwise calls PEFT's own forward (training, ``lora_bias``, other tuners).
 The kernels read PEFT's own ``lora_A`` / ``lora_B`` tensors where they are (views, no copies),
 so any change of the weights, however made, is seen at the next call; the layer's ``scaling``,
 active adapters, merge state and ``adapter_names`` / aLoRA offsets are read at every call, as
@@ -95,11 +95,15 @@ def accelerate_peft(model):
     A layer is served while autograd is not recording for it (input, LoRA weights and base layer
     weights all frozen, or grad disabled), dropout is inactive, no forward hook or pre-hook is
     registered on the submodules PEFT's forward calls (``lora_A`` / ``lora_B`` /
-    ``lora_dropout`` entries; nor a global module hook), and its adapters are plain LoRA or aLoRA
-    on CPU float32/float16/bfloat16 tensors; otherwise (training, DoRA, ``lora_bias``, other
+    ``lora_dropout`` entries; nor a global module hook), and its adapters are plain LoRA, aLoRA
+    or DoRA on CPU float32/float16/bfloat16 tensors; otherwise (training, ``lora_bias``, other
     variants and tuners, activation capture) PEFT's own forward runs for the whole layer, and
     ``skipped`` says why.  Hooks on the layer itself and on its ``base_layer`` run either way.
-    The layer's ``base_layer`` is the one it holds at each call (it may be replaced).
+    The layer's ``base_layer`` is the one it holds at each call (it may be replaced).  DoRA
+    layers keep float64 statistics of their base weight, rebuilt when the weight, ``lora_A``,
+    ``lora_B`` or the magnitude changes (through the parameters; a raw write into ``.data``
+    needs ``refresh()``), and also serve mixed ``adapter_names`` batches of DoRA and plain
+    adapters, which PEFT's own forward refuses.
     PEFT's API keeps its meaning: active adapters, ``adapter_names``, aLoRA offsets,
     ``disable_adapter``, merges, ``scaling`` changes and weight changes are read at every call.
 

@@ -294,13 +294,13 @@ def test_refused_models():
         lora.accelerate_peft("model")
 
 
-def test_dora_layers_fall_back_with_a_reason():
+def test_dora_layers_are_served():
     base = tiny_llama(seed=9)
     m = get_peft_model(base, LoraConfig(r=4, use_dora=True, init_lora_weights=False,
                                         target_modules=["q_proj"])).eval()
     x = ids()
-    _, _, (accel, skipped) = both(m, lambda: logits(m, x))
-    assert not accel and skipped and all("DoRA" in why for why in skipped.values())
+    _, _, (accel, skipped) = both(m, lambda: logits(m, x))   # within float32 rounding of PEFT
+    assert len(accel) == 2 and all(n.endswith("q_proj") for n in accel) and not skipped
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -517,3 +517,159 @@ def test_pickles_keep_the_statistics_not_the_base():
     assert d.scale.value == 0.75
     shallow = copy.copy(d)
     assert shallow.scale is d.scale
+
+
+# ------------------------------------------------------------------ accelerate_peft
+
+
+def _accel_model(dtype="float32", seed=0):
+    """A Llama with biases, a DoRA adapter "d" (Linear and Embedding, magnitudes away from the
+    norms) and a plain one "p" on the same layers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32,
+                                   attention_bias=True)
+    base = transformers.LlamaForCausalLM(cfg).eval()
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"]
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=targets),
+        adapter_name="d")
+    model.add_adapter("p", peft.LoraConfig(r=3, lora_alpha=6, init_lora_weights=False,
+                                           target_modules=targets))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(torch.rand_like(p) + 0.5)
+            elif dtype != "float32" and "lora_" not in name:
+                p.data = p.data.to(getattr(torch, dtype))
+    return torch, model.eval()
+
+
+def _ids(torch, batch=3, t=9, seed=1):
+    return torch.randint(0, 96, (batch, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _close(got, ref, what=""):
+    err = (got.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert err <= 1e-5 * max(scale, 1.0), f"{what}: |ours - PEFT| = {err:.3e} (|PEFT| {scale:.3g})"
+
+
+def _both(torch, model, fn):
+    with torch.no_grad():
+        ref = fn()
+        with lora.accelerate_peft(model) as acc:
+            got = fn()
+            status = (acc.accelerated, acc.skipped)
+    return ref, got, status
+
+
+@pytest.mark.model
+def test_accelerated_dora_layers_match_peft():
+    torch, model = _accel_model()
+    x = _ids(torch)
+    for active in (["d"], ["d", "p"], ["p", "d"]):
+        model.base_model.set_adapter(active)
+        ref, got, (accel, skipped) = _both(torch, model, lambda: model(x).logits)
+        _close(got, ref, f"active {active}")
+        assert len(accel) == 9 and not skipped   # 4 Linear x 2 layers + the embedding
+    model.base_model.set_adapter("d")
+    with torch.no_grad():
+        want = model.generate(x, max_new_tokens=6, do_sample=False)
+        with lora.accelerate_peft(model):
+            assert torch.equal(model.generate(x, max_new_tokens=6, do_sample=False), want)
+
+
+@pytest.mark.model
+def test_accelerated_mixed_batch_of_dora_and_plain_is_each_alone():
+    torch, model = _accel_model(seed=1)
+    x = _ids(torch, batch=4)
+    names = ["d", "p", "__base__", "d"]
+    with torch.no_grad():
+        with lora.accelerate_peft(model) as acc:
+            got = model(x, adapter_names=names).logits
+            assert not acc.skipped
+        alone = []
+        for i, a in enumerate(names):      # PEFT refuses DoRA in adapter_names: each alone
+            if a == "__base__":
+                with model.disable_adapter():
+                    alone.append(model(x[i:i + 1]).logits)
+            else:
+                model.set_adapter(a)
+                alone.append(model(x[i:i + 1]).logits)
+    _close(got, torch.cat(alone), "mixed batch")
+
+
+@pytest.mark.model
+def test_accelerated_dora_sees_scale_weight_merge_and_disable_changes():
+    torch, model = _accel_model(seed=2)
+    model.set_adapter("d")
+    x = _ids(torch)
+    layer0 = model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        acc = lora.accelerate_peft(model)
+        states = []
+
+        def step(what, changed=True):
+            got = model(x).logits
+            assert acc.accelerated and not acc.skipped, what
+            acc.restore()
+            ref = model(x).logits
+            _close(got, ref, what)
+            if changed and states:   # the change was seen (else the check above is vacuous)
+                assert not torch.allclose(got, states[-1]), what
+            states.append(got)
+            return lora.accelerate_peft(model)
+
+        acc = step("first")
+        for mod in model.modules():
+            if hasattr(mod, "set_scale") and hasattr(mod, "lora_A") and "d" in mod.lora_A:
+                mod.set_scale("d", 0.3)
+        acc = step("set_scale")
+        with peft_rescale(model, 2.0):
+            acc = step("rescale_adapter_scale")
+        layer0.base_layer.weight.mul_(1.25)                        # the base, in place
+        acc = step("base weight in place")
+        layer0.lora_magnitude_vector["d"].weight.mul_(0.8)         # the magnitude, in place
+        acc = step("magnitude in place")
+        layer0.lora_B["d"].weight.data = torch.randn_like(layer0.lora_B["d"].weight) * 0.1
+        acc = step("new storage for lora_B")
+        layer0.lora_A["d"].weight.data.add_(0.25)                  # raw .data: needs refresh
+        acc.refresh()
+        acc = step("raw .data write after refresh")
+        model.merge_adapter()
+        acc = step("merged", changed=False)
+        model.unmerge_adapter()
+        acc = step("unmerged", changed=False)
+        with model.disable_adapter():
+            acc = step("disabled")
+        acc.restore()
+    with torch.no_grad():                   # restore gives PEFT back bit for bit
+        before = model(x).logits
+        lora.accelerate_peft(model).restore()
+        assert torch.equal(model(x).logits, before)
+
+
+def peft_rescale(model, factor):
+    from peft.helpers import rescale_adapter_scale
+    return rescale_adapter_scale(model, factor)
+
+
+@pytest.mark.model
+def test_accelerated_bfloat16_dora_error_no_larger_than_peft():
+    torch, exact_model = _accel_model(seed=3)
+    _, half = _accel_model("bfloat16", seed=3)
+    x = _ids(torch, batch=2, t=8)
+    for m in (exact_model, half):
+        m.set_adapter("d")
+    with torch.no_grad():
+        exact = exact_model(x).logits.double()
+    peft_half, ours_half, (accel, skipped) = _both(torch, half, lambda: half(x).logits)
+    assert accel and not skipped
+    e_peft = (peft_half.double() - exact).abs().mean().item()
+    e_ours = (ours_half.double() - exact).abs().mean().item()
+    assert e_ours <= 1.5 * e_peft, (e_ours, e_peft)
