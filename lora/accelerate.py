@@ -177,11 +177,13 @@ class PeftAcceleration:
         return sum(layer.extra_bytes() for layer in self._layers.values())
 
     def refresh(self):
-        """Forget every view of the weights; the next call builds them again.  Needed only
-        after a raw ``.data`` write to a MoE experts' ``lora_B`` (its repacked copy is keyed on
-        the version counter and the data pointer, which such a write moves neither of; PEFT's
-        hotswap is seen without it).  Other changes made through the parameters (in place,
-        through ``.data``, or by replacing them) are seen at the next call anyway."""
+        """Forget every view of the weights (and DoRA's base statistics); the next call builds
+        them again.  Needed only after a raw ``.data`` write to a MoE experts' ``lora_B`` (its
+        repacked copy is keyed on the version counter and the data pointer, which such a write
+        moves neither of; PEFT's hotswap is seen without it), or to a DoRA layer's base weight,
+        ``lora_A`` / ``lora_B`` or magnitude (its statistics are keyed the same way).  Other
+        changes made through the parameters (in place, through ``.data``, or by replacing them)
+        are seen at the next call anyway."""
         for layer in self._layers.values():
             layer.refresh()
 
