@@ -129,17 +129,31 @@ class LoraStack(ByValue):
 
     def merge_into(self, w):
         """``w += sum_i s_i * B_i @ A_i`` in place, the sum formed in float64 and rounded once to
-        ``w``'s dtype (as ``LoraDelta.merge_into``); returns ``w``."""
+        ``w``'s dtype (as ``LoraDelta.merge_into``); returns ``w``.  A stack holding a
+        `DoraDelta` merges its members one after another in order instead (PEFT merges several
+        adapters so), each DoRA member by its own rule on ``w`` as the members before it left
+        it."""
         if not self._deltas:
             return shapeless_w(w)
+        if self._has_dora():
+            for d in self._deltas:
+                d.merge_into(w)
+            return w
         return merge_(w, [(d, 1.0) for d in self._deltas], *self.base_shape)
 
     def unmerge_from(self, w):
         """``w -= sum_i s_i * B_i @ A_i`` in place; undoes ``merge_into`` within the rounding of
-        ``w``'s dtype."""
+        ``w``'s dtype (with a `DoraDelta` member: each member unmerged, in reverse order)."""
         if not self._deltas:
             return shapeless_w(w)
+        if self._has_dora():
+            for d in reversed(self._deltas):
+                d.unmerge_from(w)
+            return w
         return merge_(w, [(d, -1.0) for d in self._deltas], *self.base_shape)
+
+    def _has_dora(self):
+        return any(m.extra is not None for m in self._kernel_entries()[0])
 
 
 _NO_X = object()

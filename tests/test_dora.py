@@ -673,3 +673,17 @@ def test_accelerated_bfloat16_dora_error_no_larger_than_peft():
     e_peft = (peft_half.double() - exact).abs().mean().item()
     e_ours = (ours_half.double() - exact).abs().mean().item()
     assert e_ours <= 1.5 * e_peft, (e_ours, e_peft)
+
+
+def test_stack_merge_with_a_dora_member_merges_in_order():
+    rng = _rng(17)
+    base, d1, d2, p1, p2 = _linear_set(rng)
+    st = lora.LoraStack([p1, d1, p2])
+    w = base.copy()
+    st.merge_into(w)
+    want = base.copy()
+    for m in (p1, d1, p2):
+        m.merge_into(want)
+    assert_same_bits(w, want, "stack merge = members merged in order")
+    st.unmerge_from(w)
+    np.testing.assert_allclose(w, base, rtol=1e-5, atol=1e-5)
