@@ -48,8 +48,8 @@ static void block_of_(const lora_plan *p, int64_t blk, int64_t *start, int *nb, 
 
 /* The accumulate of a block whose entry holds a DoRA member, in portable C
  * around the ISA's own kernels (so every path runs it, and plain members keep
- * their bits): a strip of out is widened into float32 (the ISA's widen_), each
- * member in order adds its term through the ISA's float32 accumulate (the same
+ * their bits): a strip of out is widened into float32 (the ISA's widen_; a
+ * float32 out is updated where it is, no copy), each member in order adds its term through the ISA's float32 accumulate (the same
  * order as inside a stack) and a DoRA member then multiplies the strip by its
  * row factor, one float32 product per element; the strip is rounded back once
  * (the ISA's narrow_).  A term's M is shifted to the strip, whose outputs the
@@ -59,28 +59,32 @@ static void dora_accumulate_(const lora_plan *p, const lora_term *terms, int n_t
     const lora_kernel_table *kt = p->kt;
     const int ot = p->out_dtype;
     const size_t osz = lora_dtype_size(ot);
+    const int f32 = ot == LORA_DTYPE_F32; /* a float32 out is its own strip: no copies */
     float strip[LORA_NB][LORA_STRIP];
-    void *so[LORA_NB];
-    for (int b = 0; b < nb; b++) so[b] = strip[b];
+    float *so[LORA_NB];
     for (int64_t i = i0; i < i1; i += LORA_STRIP) {
         const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
-        for (int b = 0; b < nb; b++) kt->widen[ot]((const char *)outs[b] + i * osz, n, strip[b]);
+        for (int b = 0; b < nb; b++) {
+            so[b] = f32 ? (float *)outs[b] + i : strip[b];
+            if (!f32) kt->widen[ot]((const char *)outs[b] + i * osz, n, strip[b]);
+        }
         for (int q = 0; q < n_terms; q++) {
             const lora_term *tm = &terms[q];
             if (tm->active) {
                 lora_term at = *tm;
                 const int64_t shift = tm->by_row ? i * tm->ldm : i;
                 at.m = (const char *)tm->m + (size_t)shift * lora_dtype_size(tm->dtype);
-                kt->accumulate[LORA_DTYPE_F32](&at, 1, 0, n, nb, so);
+                kt->accumulate[LORA_DTYPE_F32](&at, 1, 0, n, nb, (void *const *)so);
             }
             for (int b = 0; b < nb; b++) {
-                const float *g = tm->g[b];
-                if (!g) continue;
-                float *v = strip[b];
-                for (int64_t k = 0; k < n; k++) v[k] = v[k] * g[i + k];
+                if (!tm->g[b]) continue;
+                const float *g = tm->g[b] + i;
+                float *v = so[b];
+                for (int64_t k = 0; k < n; k++) v[k] = v[k] * g[k];
             }
         }
-        for (int b = 0; b < nb; b++) kt->narrow[ot](strip[b], n, (char *)outs[b] + i * osz);
+        if (!f32)
+            for (int b = 0; b < nb; b++) kt->narrow[ot](strip[b], n, (char *)outs[b] + i * osz);
     }
 }
 

@@ -244,22 +244,26 @@ class EntryTable:
 
     # ------------------------------------------------------- row factors (DoRA)
     def _factor_table(self, scales, idp, posp, every, n, gather):
-        """(float *[] of row factors, stride) for lora_apply_*_dora: per member, or with
+        """(float *[] of row factors, stride, the factors' buffers to keep alive during the
+        call) for lora_apply_*_dora: per member, or with
         per-position scales per adapter id and member; each DoRA member's factor for the
         float32 scale the kernels use at that place (the member's ``extra`` makes and caches
         it).  Ids and scales C will refuse are left to C (their slots stay NULL)."""
         if posp == NULL:
             cached = self._fac_cache
             if cached is not None and cached[0] is scales and cached[1] == gather:
-                return cached[2], 0
+                return cached[2], 0, cached[3]
             table = ffi.new("float *[]", len(self.members))
+            keep = []  # the factors' buffers, alive while the table points at them
             for q in self._dora:
-                table[q] = self.members[q].extra._factor_ptr(scales[q], gather)
-            self._fac_cache = (scales, gather, table)
-            return table, 0
+                keep.append(self.members[q].extra._factor_ptr(scales[q], gather))
+                table[q] = keep[-1]
+            self._fac_cache = (scales, gather, table, keep)
+            return table, 0, keep
         nq = len(self.members)
         n_ids = (n + every - 1) // every
         table = ffi.new("float *[]", max(n_ids * nq, 1))
+        keep = []
         dora, first, members = set(self._dora), self.first, self.members
         for i in range(n_ids):
             e = idp[i] if idp != NULL else 0
@@ -270,18 +274,19 @@ class EntryTable:
                 if q in dora:
                     s = scales[q] * mul
                     if abs(s) < _F32_OVERFLOW:
-                        table[i * nq + q] = members[q].extra._factor_ptr(s, gather)
-        return table, nq
+                        keep.append(members[q].extra._factor_ptr(s, gather))
+                        table[i * nq + q] = keep[-1]
+        return table, nq, keep
 
     def _dora_batch(self, n_kernel, first, ptrs, scales, idp, posp, every, rows, cols, n, xp, xc,
                     ldx, op, oc, ldo, bad):
-        table, stride = self._factor_table(scales, idp, posp, every, n, False)
+        table, stride, keep = self._factor_table(scales, idp, posp, every, n, False)
         return _lora_apply_batch_dora(n_kernel, first, ptrs, scales, idp, posp, every, rows, cols,
                                       n, xp, xc, ldx, op, oc, ldo, table, stride, bad)
 
     def _dora_rows(self, n_kernel, first, ptrs, scales, idp, posp, every, rows, cols, n, ids, op,
                    oc, ldo, bad):
-        table, stride = self._factor_table(scales, idp, posp, every, n, True)
+        table, stride, keep = self._factor_table(scales, idp, posp, every, n, True)
         return _lora_apply_rows_dora(n_kernel, first, ptrs, scales, idp, posp, every, rows, cols,
                                      n, ids, op, oc, ldo, table, stride, bad)
 

@@ -19,12 +19,13 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dtypes as dtypes
-from ._dispatch import from_buffer
+from ._dispatch import CHARS, NULL, fast_code, from_buffer, ndarray
 from ._entries import EntryTable, Member, entry_type
 from ._lora_cffi import ffi, lib
 from ._merge import _w_array, finite_scale
 from .delta import LoraDelta
 from .errors import LoraShapeError
+from .scale import F32_OVERFLOW as _F32_OVERFLOW
 
 __all__ = ["DoraDelta"]
 
@@ -33,6 +34,8 @@ _F32 = np.float32
 _FLOATS = ffi.typeof("float[]")
 _DOUBLES = ffi.typeof("double[]")
 _CACHE = 16  # row factors kept per delta (distinct float32 scales, e.g. a bank's positions)
+_FIRST1 = ffi.new("int64_t[2]", [0, 1])  # one kernel entry of one member
+_apply_batch_dora = lib.lora_apply_batch_dora
 
 
 def _base_array(base, rows, cols, what="base"):
@@ -97,7 +100,7 @@ class DoraDelta:
     """
 
     __slots__ = ("_delta", "_embedding", "_mag", "_mag_c", "_sq", "_vp", "_gram", "_stats_c",
-                 "_g", "_merged", "_table", "__weakref__")
+                 "_g", "_merged", "_table", "_ptrs", "_fast", "__weakref__")
 
     def __init__(self, a, b, magnitude, base, *, alpha=0.0, scale=1.0, rslora=False,
                  dtype="float32", embedding=False):
@@ -136,6 +139,9 @@ class DoraDelta:
         else:
             self._set_stats(*(np.array(v, dtype=_F64) for v in stats))
         self._table = EntryTable([self], "DoRA delta")
+        self._ptrs = ffi.new("lora_delta *[1]", [delta._ptr])
+        # (scale, double[1], float *[1], the factor's buffer) of the last fast call
+        self._fast = (None, None, None, None)
 
     # ------------------------------------------------------------ statistics
     def _set_base(self, base):
@@ -163,6 +169,7 @@ class DoraDelta:
         self._sq, self._vp, self._gram = sq, vp, gram
         self._stats_c = tuple(ffi.from_buffer(_DOUBLES, v) for v in (sq, vp, gram))
         self._g = {}
+        self._fast = (None, None, None, None)
 
     def set_base(self, w):
         """Re-read the base weight ``w`` (``[rows, cols]``, as the constructor takes it): after
@@ -197,8 +204,8 @@ class DoraDelta:
         return hit
 
     def _factor_ptr(self, s, gather):
-        """The entry protocol's per-member extra: g's pointer for scale s, for a gather
-        (``add_rows_to``) or a projection call."""
+        """The entry protocol's per-member extra: g for scale s as a C array (which keeps g
+        alive), for a gather (``add_rows_to``) or a projection call."""
         if gather != self._embedding:
             if self._embedding:
                 raise TypeError("this DoraDelta adapts an embedding (embedding=True): use "
@@ -270,14 +277,55 @@ class DoraDelta:
     def add_to(self, x, out):
         """Decode (Linear): ``out[rows] <- g * (out + s * B (A x[cols]))`` with ``out = W x``
         without bias; returns ``out``.  Inputs as `LoraDelta.add_to`."""
+        d = self._delta
+        if (not self._embedding and type(x) is ndarray and type(out) is ndarray
+                and (xc := fast_code(id(x.dtype))) is not None
+                and (oc := fast_code(id(out.dtype))) is not None
+                and x.shape == d._xshape and out.shape == d._oshape):
+            try:  # contiguous arrays of the exact shapes: one C call, as LoraDelta's
+                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
+            except ValueError:
+                pass
+            else:
+                if self._fast_call(1, xp, xc, op, oc) == 0:
+                    return out
         self._linear("add_to")
         return self._table.apply_vec(x, out)
 
     def add_batch_to(self, x, out):
         """Prefill (Linear): ``out[..., :] <- g * (out + s * B (A x[..., :]))``; inputs as
         `LoraDelta.add_batch_to`; each position bit-identical to ``add_to`` on it alone."""
+        d = self._delta
+        if (not self._embedding and type(x) is ndarray and type(out) is ndarray
+                and (xc := fast_code(id(x.dtype))) is not None
+                and (oc := fast_code(id(out.dtype))) is not None
+                and out.ndim == 2 and out.shape[1] == d._rows
+                and x.shape == (out.shape[0], d._cols) and out.shape[0]):
+            try:  # C-contiguous arrays of the right shapes: one C call
+                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
+            except ValueError:
+                pass
+            else:
+                if self._fast_call(out.shape[0], xp, xc, op, oc) == 0:
+                    return out
         self._linear("add_batch_to")
         return self._table.apply_batch(x, out)
+
+    def _fast_call(self, n, xp, xc, op, oc):
+        """The ndarray fast path's C call: the scale read once, the factor table of the last
+        scale reused.  A nonzero status sends the call to the checked path (which raises)."""
+        d = self._delta
+        s = d._scale._value * d._alpha_factor
+        last, sc, table, _ = self._fast
+        if s != last:
+            if not abs(s) < _F32_OVERFLOW:
+                return -1
+            gp = self._factor(s)[2]
+            sc = ffi.new("double[1]", [s])
+            table = ffi.new("float *[1]", [gp])
+            self._fast = (s, sc, table, gp)  # gp keeps g alive if the factor cache drops it
+        return _apply_batch_dora(1, _FIRST1, self._ptrs, sc, NULL, NULL, 1, d._rows, d._cols, n,
+                                 xp, xc, d._cols, op, oc, d._rows, table, 0, NULL)
 
     def add_row_to(self, r, out_row):
         """One token (embedding=True): ``out_row[cols] <- g * (out_row + s * B[r] @ A)`` with

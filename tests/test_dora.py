@@ -687,3 +687,18 @@ def test_stack_merge_with_a_dora_member_merges_in_order():
     assert_same_bits(w, want, "stack merge = members merged in order")
     st.unmerge_from(w)
     np.testing.assert_allclose(w, base, rtol=1e-5, atol=1e-5)
+
+
+def test_many_distinct_scales_in_one_call():
+    """More distinct per-position scales than the delta keeps factors for: every position still
+    gets its own scale's factor (the factors of the call stay alive while it runs)."""
+    rng = _rng(18)
+    d, base = make_dora(rng, 4, 24, 16, alpha=4)
+    n = 40
+    x = rng.standard_normal((n, 16)).astype(np.float32)
+    out0 = (x @ base.T).astype(np.float32)
+    scales = np.linspace(0.1, 4.0, n)
+    bank = lora.LoraBank([d])
+    got = bank.add_batch_to(x, out0.copy(), np.zeros(n, np.int64), scales=scales)
+    for b in range(n):
+        assert_same_bits(got[b], _alone(d, x[b], out0[b].copy(), scales[b]), f"row {b}")

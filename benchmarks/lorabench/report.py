@@ -177,6 +177,11 @@ def table_lines(W):
         elif w.group == "peft":
             naive = tuned = tor = None
             other += _peft_notes(w)
+        elif w.group == "dora":
+            naive, tuned, tor = sp.get("numpy_naive"), None, None
+            other.append(f"DoRA/plain LoRA {1 / sp['plain']:.2f}x")
+            if "peft" in sp:
+                other.append(f"vs PEFT's default DoRA (norm every call) {_ratio(sp['peft'])}")
         elif w.group == "merge":
             naive = tuned = None
             tor = sp.get("torch")

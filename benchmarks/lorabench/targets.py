@@ -14,8 +14,8 @@ from .peftmodel import DECODE as PEFT_DECODE
 from .peftmodel import MIXED_NAME as PEFT_MIXED
 from .peftmodel import fmt_overhead, overheads
 from .workloads import moepeft
-from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, edge_name, gather_name,
-                        halfact_name, moe_name, prefill_name, stack_name)
+from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, dora_name, edge_name,
+                        gather_name, halfact_name, moe_name, prefill_name, stack_name)
 
 DT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "-": "-"}
 
@@ -255,6 +255,8 @@ TARGETS = (
                FastestOf(("numpy_group", "gather_einsum")), ">=", 3.0, bar="tuned"),
         Target(f"bank b{n} time / single-adapter add_batch_to time", Rows("bank", "float32", bank_name(n)),
                Speedup("single", inverse=True), "<=", 1.3))),
+    *(Target(f"dora b{n} time / plain LoRA add_batch_to time", Rows("dora", "float32", dora_name(n)),
+             Speedup("plain", inverse=True), "<=", 1.1) for n in (1, 128)),
     *(Target(f"prefill b512 bf16 x/out {k} vs our f32 x/out", Rows("halfact", "bfloat16", halfact_name(512, k)),
              Speedup("ours_f32act"), ">=", 1.3) for k in ("ndarray", "tensor")),
     Target("every bf16 x/out row vs PyTorch bf16", Rows("halfact"), SlowestOver(("torch",)), ">=", 2.0),

@@ -7,6 +7,7 @@ One module per family, each with its names, sizes, builder and bytes / flops mod
 * ``gather``    token-embedding rows (``add_row_to`` / ``add_rows_to``);
 * ``sweep``     one decode token through a Llama-2-7B-shaped model sized to stream from DRAM;
 * ``bank``      mixed batches (``LoraBank``), with and without per-position scales;
+* ``dora``      DoRA (``DoraDelta.add_batch_to``) against plain LoRA, NumPy and PEFT's formula;
 * ``halfact``   bf16 adapters on bf16 activations, NumPy arrays and torch tensors;
 * ``edge``      calls at scale 0: the Python layer's time alone;
 * ``setstep``   one serving step through an ``AdapterSet`` over every projection;
@@ -26,6 +27,7 @@ from __future__ import annotations
 from .. import startup
 from .bank import BANK_BATCHES, BANK_SCALED_BATCHES, bank_name, build_bank
 from .core import Built, Ctx, Skip, Workload
+from .dora import DORA_BATCHES, build_dora, dora_name
 from .edge import BANK_EDGE_NAME, EDGE_ACTS, EDGE_BATCH, EDGE_CALLS, build_bank_edge, build_edge, edge_name
 from .gather import GATHER, GATHER_IDS, build_gather, gather_name
 from .halfact import HALF_ACT_BATCHES, HALF_ACT_KINDS, build_halfact, halfact_name
@@ -39,7 +41,7 @@ from .sweep import LLAMA2_7B_LAYERS, SWEEP_RANK, build_sweep, size_sweep, sweep_
 
 __all__ = [  # what the rest of lorabench reads (cli, targets, peftmodel)
     "BANK_EDGE_NAME", "DECODE_SHAPES", "EDGE_BATCH", "LLAMA2_7B_LAYERS", "QUICK_SET_LAYERS", "Built", "Ctx", "Skip",
-    "Workload", "analyse", "bank_name", "decode_name", "edge_name", "gather_name", "halfact_name", "moe_name",
+    "Workload", "analyse", "bank_name", "decode_name", "dora_name", "edge_name", "gather_name", "halfact_name", "moe_name",
     "prefill_name", "rel_err", "run_workload", "size_sweep", "workloads"]
 
 
@@ -72,6 +74,8 @@ def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS, quick=Fal
         add(bank_name(n), "bank", "float32", lambda c, n=n: build_bank(c, 8, 4096, 4096, 16, n))
     for n in BANK_SCALED_BATCHES:
         add(bank_name(n, True), "bank", "float32", lambda c, n=n: build_bank(c, 8, 4096, 4096, 16, n, True))
+    for n in DORA_BATCHES:
+        add(dora_name(n), "dora", "float32", lambda c, n=n: build_dora(c, n))
     for kind in HALF_ACT_KINDS:  # bf16 activations; their f32 twins: the decode / prefill rows
         for n in HALF_ACT_BATCHES:
             key = decode_name(4096, 4096, 16) if n is None else prefill_name(n)
