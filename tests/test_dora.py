@@ -522,7 +522,7 @@ def test_pickles_keep_the_statistics_not_the_base():
 # ------------------------------------------------------------------ accelerate_peft
 
 
-def _accel_model(dtype="float32", seed=0, embedding=True):
+def _accel_model(dtype="float32", seed=0):
     """A Llama with biases, a DoRA adapter "d" (Linear and Embedding, magnitudes away from the
     norms) and a plain one "p" on the same layers."""
     torch = pytest.importorskip("torch")
@@ -534,7 +534,7 @@ def _accel_model(dtype="float32", seed=0, embedding=True):
                                    num_key_value_heads=2, max_position_embeddings=32,
                                    attention_bias=True)
     base = transformers.LlamaForCausalLM(cfg).eval()
-    targets = ["q_proj", "v_proj", "o_proj", "down_proj"] + (["embed_tokens"] if embedding else [])
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"]
     model = peft.get_peft_model(base, peft.LoraConfig(
         r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=targets),
         adapter_name="d")
