@@ -240,7 +240,10 @@ class Layer(ServedLayer):
                 return "autograd is recording (the base layer's weights require grad)"
         # the submodules PEFT's forward calls besides the base layer (whose hooks run in ours
         # too): a Linear's dropout, lora_A and lora_B; an Embedding's factors are parameters
-        hooked = hook_reason(self.acc, m, _CALLED if self.linear else (), names)
+        parts = _CALLED if self.linear else ()
+        if any(m.use_dora.get(a, False) for a in names):  # PEFT calls the DoRA layer module too
+            parts = parts + ("lora_magnitude_vector",)
+        hooked = hook_reason(self.acc, m, parts, names)
         if hooked is not None:
             return hooked
         if self.linear:
@@ -309,7 +312,8 @@ class Layer(ServedLayer):
                 result_dtype_ok = self._active(x, result, names, alora_offsets)
                 if (result_dtype_ok and self.linear and not args and not kwargs and x.dim() > 1
                         and alora_offsets is None and not any(self._is_alora(a) for a in names)
-                        and not any(m.use_dora.get(a, False) for a in names)):
+                        and not (any(m.use_dora.get(a, False) for a in names)
+                                 and getattr(m.get_base_layer(), "bias", None) is not None)):
                     self.plan = Plan(self, names, x.dim())
         if not result_dtype_ok:  # an output dtype the kernels do not write: PEFT computes it
             acc._status[self.name] = f"the layer's output is {result.dtype}"
@@ -465,10 +469,12 @@ class Plan:
     adapters' modules (no hooks on them, none global) and parameters (and where their data
     lives), their scaling, training mode with dropout, autograd not recording, and the input's
     number of axes.  Anything else: None, and the full path runs (and may build a new plan).
-    The base layer is the module's at each call."""
+    The base layer is the module's at each call.  DoRA adapters (on a layer without a bias)
+    also hold it while the base weight, the magnitudes, A and B keep their objects, data and
+    version counters (what their statistics were made from)."""
 
     __slots__ = ("layer", "active", "names", "mods", "params", "ptrs", "scalings", "table",
-                 "dropout_free", "torch", "codes", "ndim", "hooks")
+                 "dropout_free", "torch", "codes", "ndim", "hooks", "dora")
 
     def __init__(self, layer, names, ndim):
         m = layer.module
@@ -484,8 +490,17 @@ class Plan:
                             for ma, mb, _ in self.mods)
         self.ptrs = tuple((pa.data_ptr(), pb.data_ptr()) for pa, pb in self.params)
         self.scalings = tuple(m.scaling[a] for a in names)
-        views = [layer.views[a][1] for a in names]
+        views = [layer._served(a) for a in names]
         self.table = layer.table(views, True)
+        # DoRA: (name, magnitude module, the tensors with their data pointers and versions)
+        weight = m._modules["base_layer"]._parameters.get("weight")
+        watch = []
+        for a, (pa, pb) in zip(names, self.params):
+            if m.use_dora.get(a, False):
+                mag = m.lora_magnitude_vector[a]
+                ts = (weight, mag._parameters["weight"], pa, pb)
+                watch.append((a, mag, ts, tuple((t.data_ptr(), t._version) for t in ts)))
+        self.dora = tuple(watch)
         self.dropout_free = all(getattr(drops[a], "p", 0) == 0 for a in names)
         self.ndim = ndim
         self.hooks = layer.acc._module_globals
@@ -519,6 +534,17 @@ class Plan:
                     or ma._parameters["weight"] is not pa or mb._parameters["weight"] is not pb
                     or pa.data_ptr() != ptr_a or pb.data_ptr() != ptr_b or scaling[a] != s):
                 return None
+        if self.dora:
+            mags = m._modules["lora_magnitude_vector"]._modules
+            weight = base._parameters.get("weight")
+            for a, mag, ts, seen in self.dora:
+                if (mags.get(a) is not mag or ts[0] is not weight
+                        or mag._parameters.get("weight") is not ts[1]
+                        or mag._forward_hooks or mag._forward_pre_hooks
+                        or any((t.data_ptr(), t._version) != v for t, v in zip(ts, seen))):
+                    return None
+                if torch.is_grad_enabled() and ts[1].requires_grad:
+                    return None
         result = base(x)
         if result.dtype not in self.codes:
             return None

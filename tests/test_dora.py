@@ -636,6 +636,14 @@ def test_accelerated_dora_sees_scale_weight_merge_and_disable_changes():
         acc = step("base weight in place")
         layer0.lora_magnitude_vector["d"].weight.mul_(0.8)         # the magnitude, in place
         acc = step("magnitude in place")
+        down = model.base_model.model.model.layers[1].mlp.down_proj  # no bias: the short path
+        model(x)
+        assert acc._layers[id(down)].plan is not None
+        down.lora_magnitude_vector["d"].weight.mul_(1.3)
+        acc = step("magnitude in place, short path")
+        model(x)
+        down.base_layer.weight.add_(0.01)
+        acc = step("base weight in place, short path")
         layer0.lora_B["d"].weight.data = torch.randn_like(layer0.lora_B["d"].weight) * 0.1
         acc = step("new storage for lora_B")
         layer0.lora_A["d"].weight.data.add_(0.25)                  # raw .data: needs refresh
