@@ -67,7 +67,8 @@ class Kind:
             dora = module.use_dora.get(a, False)
             if dora:
                 dora_layer = module.lora_magnitude_vector[a]
-                if not linear and module._get_embed_scale() is not None:
+                embed_scale = getattr(module, "_get_embed_scale", None)
+                if not linear and embed_scale is not None and embed_scale() is not None:
                     return f"adapter {a!r} uses DoRA on an embedding that scales its output"
                 if linear and bool(getattr(dora_layer, "fan_in_fan_out", False)) != bool(
                         module.fan_in_fan_out):
