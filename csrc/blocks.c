@@ -48,25 +48,42 @@ static void block_of_(const lora_plan *p, int64_t blk, int64_t *start, int *nb, 
 
 /* The accumulate of a block whose entry holds a DoRA member, in portable C
  * around the ISA's own kernels (so every path runs it, and plain members keep
- * their bits): a strip of out is widened into float32 (the ISA's widen_; a
- * float32 out is updated where it is, no copy), each member in order adds its term through the ISA's float32 accumulate (the same
- * order as inside a stack) and a DoRA member then multiplies the strip by its
- * row factor, one float32 product per element; the strip is rounded back once
- * (the ISA's narrow_).  A term's M is shifted to the strip, whose outputs the
- * kernel then sees as 0 .. n - 1 (an order that never depends on [i0, i1)). */
+ * their bits): each member in order adds its term through the ISA's float32
+ * accumulate (the same order as inside a stack), and a DoRA member then
+ * multiplies the running value by its row factor, one float32 product per
+ * element.  A float32 out is updated where it is, member by member over the
+ * whole range; a half out is widened into an L1 strip (the ISA's widen_),
+ * updated there and rounded back once (the ISA's narrow_), a term's M then
+ * shifted to the strip, whose outputs the kernel sees as 0 .. n - 1 (an order
+ * that never depends on [i0, i1)). */
 static void dora_accumulate_(const lora_plan *p, const lora_term *terms, int n_terms,
                              int64_t i0, int64_t i1, int nb, void *const *outs) {
     const lora_kernel_table *kt = p->kt;
     const int ot = p->out_dtype;
     const size_t osz = lora_dtype_size(ot);
-    const int f32 = ot == LORA_DTYPE_F32; /* a float32 out is its own strip: no copies */
+    const int f32 = ot == LORA_DTYPE_F32;
+    if (f32) {
+        /* a float32 out is updated where it is, member by member over the whole range (each
+         * element sees the same operations in the same order as in strips) */
+        for (int q = 0; q < n_terms; q++) {
+            const lora_term *tm = &terms[q];
+            if (tm->active) kt->accumulate[LORA_DTYPE_F32](tm, 1, i0, i1, nb, outs);
+            for (int b = 0; b < nb; b++) {
+                if (!tm->g[b]) continue;
+                float *v = (float *)outs[b];
+                const float *g = tm->g[b];
+                for (int64_t k = i0; k < i1; k++) v[k] = v[k] * g[k];
+            }
+        }
+        return;
+    }
     float strip[LORA_NB][LORA_STRIP];
     float *so[LORA_NB];
     for (int64_t i = i0; i < i1; i += LORA_STRIP) {
         const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
         for (int b = 0; b < nb; b++) {
-            so[b] = f32 ? (float *)outs[b] + i : strip[b];
-            if (!f32) kt->widen[ot]((const char *)outs[b] + i * osz, n, strip[b]);
+            so[b] = strip[b];
+            kt->widen[ot]((const char *)outs[b] + i * osz, n, strip[b]);
         }
         for (int q = 0; q < n_terms; q++) {
             const lora_term *tm = &terms[q];
@@ -83,8 +100,7 @@ static void dora_accumulate_(const lora_plan *p, const lora_term *terms, int n_t
                 for (int64_t k = 0; k < n; k++) v[k] = v[k] * g[k];
             }
         }
-        if (!f32)
-            for (int b = 0; b < nb; b++) kt->narrow[ot](strip[b], n, (char *)outs[b] + i * osz);
+        for (int b = 0; b < nb; b++) kt->narrow[ot](strip[b], n, (char *)outs[b] + i * osz);
     }
 }
 

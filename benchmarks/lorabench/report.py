@@ -70,6 +70,7 @@ _BASE_NAMES = {
     "_same_size_read": "same-size read reference", "numpy_naive_f32": "NumPy naive (f32)",
     "numpy_tuned_f32": "NumPy tuned (f32)", "ours_f32": "ours f32", "torch_f32": "PyTorch f32",
     "single_add_to": "single-adapter add_to", "ours_f32act": "ours, f32 x/out", "peft": "PEFT (f32 upcast)",
+    "peft_dora": "PEFT's DoRA forward (torch, norm every call)",
     "ours_torch": "ours, torch tensors", "set": "AdapterSet bank", "delta": "LoraDelta add_batch_to",
     "edge": "edge (every scale 0)", "peft_unmerged": "PEFT", "peft_bf16_adapters": "PEFT, adapters bf16",
     "peft_merged": "PEFT merged (floor)", "peft_base": "adapter layers disabled (floor)",
@@ -180,8 +181,8 @@ def table_lines(W):
         elif w.group == "dora":
             naive, tuned, tor = sp.get("numpy_naive"), None, None
             other.append(f"DoRA/plain LoRA {1 / sp['plain']:.2f}x")
-            if "peft" in sp:
-                other.append(f"vs PEFT's default DoRA (norm every call) {_ratio(sp['peft'])}")
+            if "peft_dora" in sp:
+                other.append(f"vs PEFT's default DoRA (norm every call) {_ratio(sp['peft_dora'])}")
         elif w.group == "merge":
             naive = tuned = None
             tor = sp.get("torch")

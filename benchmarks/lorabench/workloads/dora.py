@@ -27,7 +27,7 @@ def dora_name(batch):
 def build_dora(ctx, batch, rows=DORA_SHAPE[0], cols=DORA_SHAPE[1], rank=DORA_SHAPE[2]):
     """ours: ``DoraDelta.add_batch_to`` (float32 storage); plain: ``LoraDelta.add_batch_to`` of
     the same pair; numpy_naive: ``out = g * (out + s * ((x @ A.T) @ B.T))`` with g given;
-    peft: PyTorch, PEFT's default DoRA forward (the norm of ``W + s * B @ A`` at every call).
+    peft_dora: PyTorch, PEFT's default DoRA forward (the norm of ``W + s * B @ A`` at every call).
     The magnitude is the norm itself (g = 1 up to rounding), so repeated calls on one out stay
     finite; the multiply is done all the same."""
     lora, torch, rng = ctx.lora, ctx.torch, ctx.rng
@@ -58,7 +58,7 @@ def build_dora(ctx, batch, rows=DORA_SHAPE[0], cols=DORA_SHAPE[1], rank=DORA_SHA
                 gt = tm / torch.linalg.norm(tw + s * (tb @ ta), dim=1)
                 o.mul_(gt).add_(gt * (tx @ ta.T @ tb.T) * s)
 
-        impls["peft"] = Impl(peft)
+        impls["peft_dora"] = Impl(peft)
 
     def ours_once():
         o = (x @ w.T).astype(np.float32)
