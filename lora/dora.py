@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dtypes as dtypes
+from ._byvalue import ByValue
 from ._dispatch import CHARS, NULL, fast_code, from_buffer, ndarray
 from ._entries import EntryTable, Member, entry_type
 from ._lora_cffi import ffi, lib
@@ -57,22 +58,20 @@ def _base_array(base, rows, cols, what="base"):
     return arr
 
 
-def _restore(a_bits, b_bits, dtype, alpha, rslora, factor, scale, magnitude, stats, embedding,
-             merged):
-    """Unpickling (see `DoraDelta.__reduce__`): the pair from its stored bits, the magnitude and
-    the base statistics as they were; the base itself is never pickled."""
-    numpy_dtype = dtypes.BY_NAME[dtype].numpy
-    delta = LoraDelta(a_bits.view(numpy_dtype), b_bits.view(numpy_dtype), alpha=alpha,
-                      scale=scale, rslora=rslora, dtype=dtype)
-    delta._alpha_factor = factor
+def _restore(delta, magnitude, sq, vp, gram, embedding, merged):
+    """Unpickling and deep copies (see `DoraDelta._parts`): over the pair (a `LoraDelta`, by
+    value in turn), the magnitude and the base statistics as they were; the base itself is never
+    pickled (the delta never keeps it).  Checked as the constructor checks them."""
+    if not isinstance(delta, LoraDelta):
+        raise TypeError(f"a DoraDelta is rebuilt over a LoraDelta; got {type(delta).__name__}")
     self = DoraDelta.__new__(DoraDelta)
-    self._init(delta, magnitude, None, embedding, stats=stats)
+    self._init(delta, magnitude, None, embedding, stats=(sq, vp, gram))
     self._merged = [np.array(g, dtype=_F32) for g in merged]
     return self
 
 
 @entry_type(stackable=True)
-class DoraDelta:
+class DoraDelta(ByValue):
     """A DoRA adapter of one layer: PEFT's ``use_dora=True``, magnitude-scaled LoRA.
 
     ``DoraDelta(a, b, magnitude, base, *, alpha=0.0, scale=1.0, rslora=False, dtype="float32",
@@ -261,17 +260,13 @@ class DoraDelta:
         d = self._delta
         return ((Member(d._ptr, d._scale, d._alpha_factor, self, self),),)
 
-    # ------------------------------------------------------------ pickling
-    def __reduce__(self):
-        """Pickles the pair's stored bits, alpha, the `LoraScale`, the magnitude and the float64
-        base statistics (not the base, which the delta never keeps); the copy computes the same
-        bits."""
-        d = self._delta
-        a, b = d.lora_weights()
-        bits = dtypes.BY_NAME[d.dtype].bits
-        return _restore, (a.view(bits), b.view(bits), d.dtype, d.alpha, d.rslora,
-                          d._alpha_factor, d.scale, self._mag, (self._sq, self._vp, self._gram),
-                          self._embedding, list(self._merged))
+    # ------------------------------------------------------------ pickling, copies
+    def _parts(self):
+        """By value (lora._byvalue): the pair, the magnitude and the float64 base statistics
+        (not the base, which the delta never keeps); the copy computes the same bits."""
+        return _restore, (self._delta, self._mag.copy(), self._sq.copy(), self._vp.copy(),
+                          self._gram.copy(), self._embedding,
+                          tuple(g.copy() for g in self._merged))
 
     # ------------------------------------------------------------ apply
     def add_to(self, x, out):

@@ -517,6 +517,15 @@ def test_pickles_keep_the_statistics_not_the_base():
     assert d.scale.value == 0.75
     shallow = copy.copy(d)
     assert shallow.scale is d.scale
+    # in a stack beside a plain delta sharing its LoraScale: shared again after loading
+    p = lora.LoraDelta(rng.standard_normal((3, 200)), rng.standard_normal((30, 3)), scale=d.scale)
+    st = pickle.loads(pickle.dumps(lora.LoraStack([p, d])))
+    assert st[0].scale is st[1].scale and isinstance(st[1], lora.DoraDelta)
+    assert_same_bits(st.add_batch_to(x, out0.copy()),
+                     lora.LoraStack([p, d]).add_batch_to(x, out0.copy()), "stack unpickled")
+    with pytest.raises(ValueError, match="statistics"):   # a corrupt pickle is refused
+        fn, args = d._parts()
+        fn(args[0], args[1], args[2][:-1], *args[3:])
 
 
 # ------------------------------------------------------------------ accelerate_peft
