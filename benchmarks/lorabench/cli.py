@@ -13,7 +13,7 @@ import traceback
 import numpy as np
 
 from . import machine, peftmodel, report, targets, workloads
-from .workloads import moepeft
+from .workloads import dorapeft, moepeft
 from .timing import TimingConfig
 
 REEXEC_NOTE = "LORA_BENCH_CLEARED"  # set by bench.py when it re-executed without OpenBLAS overrides
@@ -60,6 +60,8 @@ COLUMNS_NOTE = [
   "  LoRA overhead = a time less the floor's (merged, or adapter layers disabled for a mixed batch).",
   "  peft moe rows: a Qwen3-MoE with LoRA on attention and experts (lorabench/workloads/moepeft.py); floor =",
   "  adapter layers disabled under accelerate_peft (our experts forward); transformers' = the same under PEFT.",
+  "  peft dora rows: the peft rows' Llama with DoRA and plain adapters (lorabench/workloads/dorapeft.py);",
+  "  ours / PEFT on DoRA d0, plain = the plain adapter p0; the mixed batch mixes both kinds (ours only).",
 ]
 
 
@@ -119,6 +121,7 @@ def main(argv=None, description=None):
                             quick=quick)
     W += peftmodel.workloads(peft_layers)
     W += moepeft.workloads(quick)
+    W += dorapeft.workloads(quick)
     if args.only:
         W = [w for w in W if any(t in f"{w.name} {w.group} {w.dtype}" for t in args.only)]
     progress = report.Progress(len(W) + 2, enabled=not args.no_progress)

@@ -75,6 +75,8 @@ _BASE_NAMES = {
     "edge": "edge (every scale 0)", "peft_unmerged": "PEFT", "peft_bf16_adapters": "PEFT, adapters bf16",
     "peft_merged": "PEFT merged (floor)", "peft_base": "adapter layers disabled (floor)",
     "transformers_base": "adapter layers disabled, transformers' experts",
+    "peft_dora_cached": "PEFT, DoRA norm cache on", "ours_plain": "ours, plain LoRA", "peft_plain": "PEFT, plain LoRA",
+    "ours_set_scale": "ours, set_scale + decode",
 }
 
 

@@ -13,7 +13,7 @@ from .machine import CpuMonitor, fmt_bytes
 from .peftmodel import DECODE as PEFT_DECODE
 from .peftmodel import MIXED_NAME as PEFT_MIXED
 from .peftmodel import fmt_overhead, overheads
-from .workloads import moepeft
+from .workloads import dorapeft, moepeft
 from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, dora_name, edge_name,
                         gather_name, halfact_name, moe_name, prefill_name, stack_name)
 
@@ -291,6 +291,19 @@ TARGETS = (
                Rows("peft", d, moepeft.MIXED_NAME), Ratio("ours", "peft_base"), "<=", 1.5),
         Target(f"{moepeft.DECODE} {DT[d]}: our experts forward / transformers' (adapters disabled)",
                Rows("peft", d, moepeft.DECODE), Ratio("peft_base", "transformers_base"), "<=", 1.05))),
+    # DoRA on the PEFT rows' Llama: its overhead over the merged floor against our plain LoRA's,
+    # PEFT's default DoRA's and PEFT's plain LoRA's on the same model; a batch mixing DoRA and
+    # plain adapters against the same batch through one plain adapter; a scale change then a step
+    Target(f"{dorapeft.DECODE} f32: DoRA overhead, ours / our plain LoRA's", Rows("peft", "float32", dorapeft.DECODE),
+           Overhead("ours_plain"), "<=", 1.2),
+    Target(f"{dorapeft.DECODE} f32: DoRA overhead, ours / PEFT's default DoRA's",
+           Rows("peft", "float32", dorapeft.DECODE), Overhead("peft_unmerged"), "<=", 1 / 50),
+    Target(f"{dorapeft.DECODE} f32: DoRA overhead, ours / PEFT's plain LoRA's",
+           Rows("peft", "float32", dorapeft.DECODE), Overhead("peft_plain"), "<=", 1.0),
+    Target(f"{dorapeft.MIXED_NAME} f32 (DoRA + plain): time / the batch through one plain adapter",
+           Rows("peft", "float32", dorapeft.MIXED_NAME), Ratio("ours", "ours_plain"), "<=", 1.5),
+    Target(f"{dorapeft.DECODE} f32: set_scale + decode / decode", Rows("peft", "float32", dorapeft.DECODE),
+           Ratio("ours_set_scale", "ours"), "<=", 2.0),
     Target("under load (busy processes, busy torch pool): mean / one thread, worst shape",
            Rows("load"), LoadRatio(), "<=", 1.3),
     Target("prefill b512 f32 share of its roofline", Rows("prefill", "float32", prefill_name(512)),
