@@ -294,12 +294,10 @@ TARGETS = (
     # DoRA on the PEFT rows' Llama: its overhead over the merged floor against our plain LoRA's,
     # PEFT's default DoRA's and PEFT's plain LoRA's on the same model; a batch mixing DoRA and
     # plain adapters against the same batch through one plain adapter; a scale change then a step
-    Target(f"{dorapeft.DECODE} f32: DoRA overhead, ours / our plain LoRA's", Rows("peft", "float32", dorapeft.DECODE),
-           Overhead("ours_plain"), "<=", 1.2),
-    Target(f"{dorapeft.DECODE} f32: DoRA overhead, ours / PEFT's default DoRA's",
-           Rows("peft", "float32", dorapeft.DECODE), Overhead("peft_unmerged"), "<=", 1 / 50),
-    Target(f"{dorapeft.DECODE} f32: DoRA overhead, ours / PEFT's plain LoRA's",
-           Rows("peft", "float32", dorapeft.DECODE), Overhead("peft_plain"), "<=", 1.0),
+    *(Target(f"{row} f32: DoRA overhead, ours / {what}", Rows("peft", "float32", row), Overhead(other), "<=", limit)
+      for row in (dorapeft.DECODE, dorapeft.PREFILL_NAME)
+      for what, other, limit in (("our plain LoRA's", "ours_plain", 1.2), ("PEFT's default DoRA's", "peft_unmerged", 1 / 50),
+                                 ("PEFT's plain LoRA's", "peft_plain", 1.0))),
     Target(f"{dorapeft.MIXED_NAME} f32 (DoRA + plain): time / the batch through one plain adapter",
            Rows("peft", "float32", dorapeft.MIXED_NAME), Ratio("ours", "ours_plain"), "<=", 1.5),
     Target(f"{dorapeft.DECODE} f32: set_scale + decode / decode", Rows("peft", "float32", dorapeft.DECODE),

@@ -3,10 +3,10 @@
 ``lora.accelerate_peft``.
 
 The model: the PEFT rows' Llama config (``--quick``: 1 layer of a model a quarter as wide, the
-code path only: the quick run's budget has no room for PEFT's DoRA forward at full width), float32, rank 16 on q, k, v, o,
-gate, up and down; two DoRA adapters ``d0``, ``d1`` and two plain ones ``p0``, ``p1``
-(``init_lora_weights=False``: random B; each DoRA magnitude is PEFT's initial norm times
-``1 + 0.1 N(0, 1)`` per row, as after training, so the row factors are not 1).
+code path only: the quick run's budget has no room for PEFT's DoRA forward at full width),
+float32, rank 16 on q, k, v, o, gate, up and down; two DoRA adapters ``d0``, ``d1`` and two
+plain ones ``p0``, ``p1`` (``init_lora_weights=False``: random B; each DoRA magnitude is PEFT's
+initial norm times ``1 + 0.1 N(0, 1)`` per row, as after training, so the row factors are not 1).
 
 Rows, each call under ``torch.inference_mode()`` (the steps of `lorabench.peftmodel`):
 
