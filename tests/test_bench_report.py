@@ -34,3 +34,21 @@ def test_a_negative_overhead_is_flagged_as_noise():
     assert "ours -0.50 [below the floor: noise] ms" in detail
     plain = " ".join(report._peft_notes(peft_row(ours=11e-3, peft=14e-3)))
     assert "noise" not in plain and "ours 1.00 (1.00) ms" in plain
+
+
+def test_the_dora_rows_render_and_feed_their_targets():
+    from lorabench.workloads import dorapeft
+
+    ms = {"peft_merged": 10, "ours": 12, "ours_plain": 11.8, "ours_set_scale": 13, "peft_unmerged": 150,
+          "peft_dora_cached": 13, "peft_plain": 14}
+    impls = {k: {"median_s": v * 1e-3, "min_s": v * 1e-3} for k, v in ms.items()}
+    result = {"layers": 8, "floor": "peft_merged", "impls": impls,
+              "speedup": {k: v / ms["ours"] for k, v in ms.items() if k != "ours"}}
+    row = SimpleNamespace(result=result, name=dorapeft.DECODE, group="peft", dtype="float32")
+    notes = " ".join(report._peft_notes(row))
+    assert "PEFT, DoRA norm cache on 3.00 (3.00) ms" in notes and "ours, set_scale + decode" in notes
+    got = {t.what: targets.evaluate(t, [row], None, busy_limit=1.0)
+           for t in targets.TARGETS if t.what.startswith(dorapeft.DECODE)}
+    assert len(got) == 4 and all(v["status"] == "PASS" for v in got.values()), got
+    assert got[f"{dorapeft.DECODE} f32: DoRA overhead, ours / our plain LoRA's"]["value"] == pytest.approx(2 / 1.8)
+    assert got[f"{dorapeft.DECODE} f32: DoRA overhead, ours / PEFT's default DoRA's"]["value"] == pytest.approx(2 / 140)
