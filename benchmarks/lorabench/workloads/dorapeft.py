@@ -116,6 +116,8 @@ class DoraModels:
             self.model.set_adapter(adapter)  # under accelerate_peft too: it follows PEFT's switch
         if state == "ours" and self.acc is None:
             self.acc = self.lora.accelerate_peft(self.model)
+            if self.acc.skipped:  # else "ours" would time PEFT's DoRA forward under our name
+                raise AssertionError(f"accelerate_peft skipped DoRA layers: {dict(self.acc.skipped)}")
         elif state == "peft_base":
             self.model.base_model.disable_adapter_layers()
         self.state, self.adapter = state, adapter
