@@ -65,17 +65,17 @@ def run_vec(call, call_at, extra, x, out, xshape, oshape, status):
     else is raised); `DECLINE` when the method knows its arguments take the checked path."""
     if status is None:
         if type(out) is not ndarray:
-            # the tensor fast path: plain contiguous CPU tensors of the exact shapes.  The neg
-            # bit (a lazily negated view: the imaginary part of a conjugated complex tensor) is
-            # not read here: such a view has stride 2, so it is contiguous only with one
-            # element, and one-element rows take the checked path, which resolves it
+            # the tensor fast path: plain contiguous CPU tensors of the exact shapes, without
+            # the neg bit (a lazily negated view: its memory holds the negated values; the
+            # checked path resolves it for x and refuses it for out)
             try:
                 codes = _TORCH_CODES or _torch_init()
                 xc, oc = codes.get(x.dtype), codes.get(out.dtype)
                 fast = (xc is not None and oc is not None and xshape[0] > 1 and oshape[0] > 1
                         and x.is_cpu and out.is_cpu and not out.requires_grad
                         and x.shape == xshape and out.shape == oshape
-                        and x.is_contiguous() and out.is_contiguous())
+                        and x.is_contiguous() and out.is_contiguous()
+                        and not x.is_neg() and not out.is_neg())
                 if fast:
                     _note_write(out)
             except _TENSOR_MISS:
@@ -121,7 +121,8 @@ def run_batch(call, call_at, extra, x, out, cols, rows, status, xdrop=0):
                     elif (nd >= 2 and os_[-1] == rows and xs[-1] == cols
                           and tuple(xs)[:-1] == tuple(os_)[:nd - 1 - xdrop]):
                         n = out.numel() // rows
-                    if n >= 0 and not (x.is_contiguous() and out.is_contiguous()):
+                    if n >= 0 and not (x.is_contiguous() and out.is_contiguous()
+                                       and not x.is_neg() and not out.is_neg()):
                         n = -1
                 if n >= 0:
                     _note_write(out)

@@ -442,7 +442,7 @@ def _fast(table, x, out, expert_ids, adapter_ids):
                     return None
                 aidp = from_buffer(INT64S, adapter_ids)  # ValueError: not contiguous
             elif (adapter_ids.dtype is _TORCH_INT64[0] and adapter_ids.is_cpu
-                  and adapter_ids.is_contiguous()):
+                  and adapter_ids.is_contiguous() and not adapter_ids.is_neg()):
                 aidp = _cast(_INT64P, adapter_ids.data_ptr())
             else:
                 return None
@@ -453,7 +453,8 @@ def _fast(table, x, out, expert_ids, adapter_ids):
         else:
             n = out.numel() // rows
             if not (x.is_cpu and out.is_cpu and expert_ids.is_cpu and not out.requires_grad
-                    and x.is_contiguous() and out.is_contiguous() and expert_ids.is_contiguous()):
+                    and x.is_contiguous() and out.is_contiguous() and expert_ids.is_contiguous()
+                    and not (x.is_neg() or out.is_neg() or expert_ids.is_neg())):
                 return None
             _note_write(out)
             xp, op = _cast(_VOIDP, x.data_ptr()), _cast(_VOIDP, out.data_ptr())

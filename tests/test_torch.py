@@ -352,3 +352,33 @@ def test_lazily_negated_views_are_read_by_value_and_never_written():
         with pytest.raises(ValueError, match="negated"):
             call(neg)
         assert torch.equal(target, before)
+
+
+def test_contiguous_negated_views_never_take_the_fast_path():
+    """torch's `_neg_view()` makes a *contiguous* view with the neg bit (memory -value): the
+    tensor fast paths, which read memory directly, must leave it to the checked path, so x is
+    read by value and out is refused untouched (decode, batch, routed experts)."""
+    gen = torch.Generator().manual_seed(3)
+    d = lora.LoraDelta(torch.randn(2, 5, generator=gen), torch.randn(6, 2, generator=gen))
+    x = torch.randn(5, generator=gen)
+    want = d.add_to(x, torch.zeros(6))
+    xn = (-x)._neg_view()
+    assert xn.is_contiguous() and xn.is_neg()
+    assert torch.equal(d.add_to(xn, torch.zeros(6)), want)
+    on = torch.zeros(6)._neg_view()
+    with pytest.raises(ValueError, match="negated"):
+        d.add_to(x, on)
+    xb = torch.randn(3, 5, generator=gen)
+    wantb = d.add_batch_to(xb, torch.zeros(3, 6))
+    assert torch.equal(d.add_batch_to((-xb)._neg_view(), torch.zeros(3, 6)), wantb)
+    with pytest.raises(ValueError, match="negated"):
+        d.add_batch_to(xb, torch.zeros(3, 6)._neg_view())
+    ex = lora.LoraExperts(np.asarray(torch.randn(4, 2, 5, generator=gen)),
+                          np.asarray(torch.randn(4, 6, 2, generator=gen)))
+    ids = torch.tensor([[0, 3], [2, -1]], dtype=torch.int64)
+    xe = torch.randn(2, 5, generator=gen)
+    wante = ex.add_to(xe, torch.zeros(2, 2, 6), ids)
+    assert torch.equal(ex.add_to((-xe)._neg_view(), torch.zeros(2, 2, 6), ids), wante)
+    assert torch.equal(ex.add_to(xe, torch.zeros(2, 2, 6), (-ids)._neg_view()), wante)
+    with pytest.raises(ValueError, match="negated"):
+        ex.add_to(xe, torch.zeros(2, 2, 6)._neg_view(), ids)
