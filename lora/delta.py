@@ -126,6 +126,11 @@ def check_bits(a_bits, b_bits, dtype, a_ndim=2):
         raise ValueError(f"not the stored factors of a {name} LoRA pair: "
                          f"{getattr(a_bits, 'shape', a_bits)!r} / "
                          f"{getattr(b_bits, 'shape', b_bits)!r}")
+    numpy = dtypes.BY_NAME[name].numpy
+    for which, arr in (("A", a_bits), ("B", b_bits)):
+        if not np.isfinite(arr.view(numpy)).all():
+            raise ValueError(f"not the stored factors of a {name} LoRA pair: {which} holds a "
+                             f"non-finite value (a constructor refuses them)")
     return np.ascontiguousarray(a_bits), np.ascontiguousarray(b_bits)
 
 

@@ -165,6 +165,10 @@ class DoraDelta(ByValue):
         if sq.shape != (n,) or vp.shape != (n, d.rank) or gram.shape != (d.rank, d.rank):
             raise ValueError(f"DoRA statistics of shapes {sq.shape}, {vp.shape}, {gram.shape} do "
                              f"not fit a rank-{d.rank} [{d.rows} x {d.cols}] pair")
+        if not (np.isfinite(sq).all() and np.isfinite(vp).all() and np.isfinite(gram).all()
+                and (sq >= 0).all()):
+            raise ValueError("DoRA statistics with a non-finite value or a negative squared norm "
+                             "(not what a base gives: a corrupt pickle?)")
         self._sq, self._vp, self._gram = sq, vp, gram
         self._stats_c = tuple(ffi.from_buffer(_DOUBLES, v) for v in (sq, vp, gram))
         self._g = {}

@@ -1,6 +1,7 @@
 """Pickling and copies by value of every adapter kind: LoraDelta, LoraStack, LoraBank,
-LoraAdapter, AdapterSet (LoraExperts: tests/test_experts.py).  Round trips are bit-exact (the
-stored factors and every output), a LoraScale shared within one pickle stays shared,
+LoraAdapter, AdapterSet (LoraExperts: tests/test_experts.py; DoraDelta: tests/test_dora.py;
+corrupt payloads of all three here).  Round trips are bit-exact (the stored factors and every
+output), a LoraScale shared within one pickle stays shared,
 ``copy.copy`` shares storage and LoraScale, ``copy.deepcopy`` owns new ones."""
 
 import copy
@@ -183,3 +184,38 @@ def test_corrupt_pickled_factors_are_refused():
     with pytest.raises(TypeError):
         fn(a, b, "float32", 0.0, False, 1.0, 0.5)  # a scale that is not a LoraScale
     assert isinstance(fn(*args), LoraDelta)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_corrupt_pickled_non_finite_values_are_refused(dtype):
+    """A pickle is checked as the constructors check: NaN / inf bits in the stored factors of a
+    delta or of routed experts, or in a DoRA delta's statistics, are refused at load."""
+    rng = np.random.default_rng(8)
+    d = lora.LoraDelta(rng.standard_normal((3, 6)), rng.standard_normal((5, 3)), dtype=dtype)
+    fn, args = d.__reduce__()
+    nan_bits = np.array([np.nan], lora._dtypes.BY_NAME[dtype].numpy).view(args[0].dtype)[0]
+    for which in (0, 1):
+        bad = list(args)
+        bad[which] = bad[which].copy()
+        bad[which].flat[1] = nan_bits
+        with pytest.raises(ValueError, match="non-finite"):
+            fn(*bad)
+    ex = lora.LoraExperts(rng.standard_normal((2, 3, 6)), rng.standard_normal((2, 5, 3)),
+                          dtype=dtype)
+    fn, args = ex.__reduce__()
+    bad = list(args)
+    bad[1] = bad[1].copy()
+    bad[1].flat[0] = nan_bits
+    with pytest.raises(ValueError, match="non-finite"):
+        fn(*bad)
+    w = rng.standard_normal((5, 6))
+    dd = lora.DoraDelta(rng.standard_normal((3, 6)), rng.standard_normal((5, 3)), np.ones(5), w,
+                        dtype=dtype)
+    fn, args = dd.__reduce__()
+    for which in (2, 3, 4):  # sq, vp, gram
+        bad = list(args)
+        bad[which] = np.array(bad[which], dtype=np.float64)
+        bad[which].flat[0] = np.nan
+        with pytest.raises(ValueError, match="non-finite"):
+            fn(*bad)
+    assert isinstance(fn(*args), lora.DoraDelta)
