@@ -42,7 +42,8 @@ class LoraStack(ByValue):
 
     def append(self, delta):
         """Add ``delta`` at the end; raises TypeError for a non-LoraDelta, LoraShapeError when its
-        ``rows x cols`` differ from the stack's."""
+        ``rows x cols`` differ from the stack's, ValueError for a DoRA delta whose norm axis
+        (rows, or columns with ``embedding=True``) differs from the stack's DoRA members'."""
         kinds = stackable_types()
         if not isinstance(delta, kinds):
             raise TypeError(f"a LoraStack holds {' or '.join(t.__name__ for t in kinds)} "
@@ -52,6 +53,12 @@ class LoraStack(ByValue):
             raise LoraShapeError(
                 f"delta {len(self._deltas)} is [{delta.rows} x {delta.cols}] but the stack's "
                 f"deltas are [{r} x {c}]", rows=delta.rows, cols=delta.cols, rank=delta.rank)
+        axis = getattr(delta, "_embedding", None)  # a DoRA member's norm axis (None: plain)
+        if axis is not None and any(getattr(d, "_embedding", axis) != axis for d in self._deltas):
+            raise ValueError(f"delta {len(self._deltas)} is a DoRA delta normalised per "
+                             f"{'column (embedding=True)' if axis else 'row (a Linear layer)'}, "
+                             f"but the stack's DoRA members are normalised per "
+                             f"{'row' if axis else 'column'}: one layer has one kind")
         self._deltas = self._deltas + [delta]
         for table in list(self._owners):
             table.stale = True

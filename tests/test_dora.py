@@ -706,6 +706,22 @@ def test_stack_merge_with_a_dora_member_merges_in_order():
     np.testing.assert_allclose(w, base, rtol=1e-5, atol=1e-5)
 
 
+def test_a_stack_refuses_dora_members_of_both_norm_axes():
+    """An embedding DoRA delta (norm per column) and a Linear one (per row) of the same shape
+    are two kinds of layer: one stack holds one kind (plain members go with either)."""
+    rng = _rng(19)
+    lin, base = make_dora(rng, 2, 8, 8)
+    emb, _ = make_dora(rng, 2, 8, 8, embedding=True, base=base)
+    plain = lora.LoraDelta(rng.standard_normal((2, 8)), rng.standard_normal((8, 2)))
+    st = lora.LoraStack([plain, lin])
+    with pytest.raises(ValueError, match="normalised per"):
+        st.append(emb)
+    assert len(st) == 2
+    with pytest.raises(ValueError, match="normalised per"):
+        lora.LoraStack([emb, plain, lin])
+    assert len(lora.LoraStack([emb, plain])) == 2
+
+
 def test_many_distinct_scales_in_one_call():
     """More distinct per-position scales than the delta keeps factors for: every position still
     gets its own scale's factor (the factors of the call stay alive while it runs)."""
