@@ -126,10 +126,12 @@ class DoraDelta(ByValue):
                 "rows (one per output row)"
             raise ValueError(f"magnitude must have {n} values = {want}; got shape "
                              f"{tuple(mag.shape)}")
+        if not np.isfinite(mag).all() or (np.abs(mag) > np.finfo(_F32).max).any():
+            bad = ~np.isfinite(mag) | (np.abs(mag) > np.finfo(_F32).max)
+            i = int(np.argmax(bad))
+            raise ValueError(f"magnitude has a value that is not a finite float32 ({mag[i]}) at "
+                             f"index {i}")
         mag = np.array(mag, dtype=_F32)
-        if not np.isfinite(mag).all():
-            i = int(np.argmax(~np.isfinite(mag)))
-            raise ValueError(f"magnitude has a non-finite value ({mag[i]}) at index {i}")
         self._mag = mag
         self._mag_c = ffi.from_buffer(_FLOATS, mag)
         self._merged = []
@@ -196,9 +198,10 @@ class DoraDelta(ByValue):
                                       self._mag_c, key, gp, ffi.from_buffer(_FLOATS, norm), bad)
         if status == lib.LORA_ERR_NORM:
             what = "column" if self._embedding else "row"
-            raise ValueError(f"DoRA {what} {int(bad[0])} of the base + s * B @ A has norm 0 (or "
-                             f"too small for float32) at effective scale {key!r}: its row factor "
-                             f"magnitude / norm is not finite; nothing was written")
+            raise ValueError(f"DoRA {what} {int(bad[0])}: its factor magnitude / norm of the "
+                             f"base + s * B @ A is not a finite float32 at effective scale "
+                             f"{key!r} (norm 0, or too small for that magnitude); nothing "
+                             f"was written")
         if status:
             arrays.raise_status(status)
         if len(self._g) >= _CACHE:
@@ -378,7 +381,13 @@ class DoraDelta(ByValue):
             what = "column" if self._embedding else "row"
             raise ValueError(f"merging into w: {what} {int(zero[0])} of w + s * B @ A has norm 0, "
                              f"so its DoRA factor is not finite; w is left untouched")
-        g = (self._mag.astype(_F64) / nrm).astype(_F32)
+        g64 = self._mag.astype(_F64) / nrm
+        if (np.abs(g64) > np.finfo(_F32).max).any():
+            what = "column" if self._embedding else "row"
+            i = int(np.argmax(np.abs(g64) > np.finfo(_F32).max))
+            raise ValueError(f"merging into w: the DoRA factor m / norm of {what} {i} "
+                             f"({g64[i]:.3g}) overflows float32; w is left untouched")
+        g = g64.astype(_F32)
         gv = g[None, :] if self._embedding else g[:, None]
         self._write(w, arr, code, v * gv.astype(_F64), "merging into")
         self._merged.append(g)
