@@ -126,8 +126,8 @@ class DoraDelta(ByValue):
                 "rows (one per output row)"
             raise ValueError(f"magnitude must have {n} values = {want}; got shape "
                              f"{tuple(mag.shape)}")
-        if not np.isfinite(mag).all() or (np.abs(mag) > np.finfo(_F32).max).any():
-            bad = ~np.isfinite(mag) | (np.abs(mag) > np.finfo(_F32).max)
+        bad = ~(np.abs(mag) <= np.finfo(_F32).max)  # NaN, inf, or past float32's range
+        if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"magnitude has a value that is not a finite float32 ({mag[i]}) at "
                              f"index {i}")
@@ -382,9 +382,10 @@ class DoraDelta(ByValue):
             raise ValueError(f"merging into w: {what} {int(zero[0])} of w + s * B @ A has norm 0, "
                              f"so its DoRA factor is not finite; w is left untouched")
         g64 = self._mag.astype(_F64) / nrm
-        if (np.abs(g64) > np.finfo(_F32).max).any():
+        over = np.abs(g64) > np.finfo(_F32).max
+        if over.any():
             what = "column" if self._embedding else "row"
-            i = int(np.argmax(np.abs(g64) > np.finfo(_F32).max))
+            i = int(np.argmax(over))
             raise ValueError(f"merging into w: the DoRA factor m / norm of {what} {i} "
                              f"({g64[i]:.3g}) overflows float32; w is left untouched")
         g = g64.astype(_F32)

@@ -53,8 +53,8 @@ class LoraStack(ByValue):
             raise LoraShapeError(
                 f"delta {len(self._deltas)} is [{delta.rows} x {delta.cols}] but the stack's "
                 f"deltas are [{r} x {c}]", rows=delta.rows, cols=delta.cols, rank=delta.rank)
-        axis = getattr(delta, "_embedding", None)  # a DoRA member's norm axis (None: plain)
-        if axis is not None and any(getattr(d, "_embedding", axis) != axis for d in self._deltas):
+        axis = getattr(delta, "embedding", None)  # a DoRA member's norm axis (None: plain)
+        if axis is not None and any(getattr(d, "embedding", axis) != axis for d in self._deltas):
             raise ValueError(f"delta {len(self._deltas)} is a DoRA delta normalised per "
                              f"{'column (embedding=True)' if axis else 'row (a Linear layer)'}, "
                              f"but the stack's DoRA members are normalised per "
