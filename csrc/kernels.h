@@ -53,6 +53,7 @@
  *   kernels_read.h    read_ over a small vector vocabulary    (AVX2, AVX-512, NEON)
  *   kernels_tails.h   the scalar tails, fma chains            (AVX2, NEON)
  *   kernels_pairs.h   project_ and term_: positions in pairs  (NEON)
+ *   kernels_quads.h   term_: up to LORA_NB positions a tile   (AVX2, AVX-512)
  * while the tiles, their widths, loads and horizontal sums stay in the ISA
  * file, so a reader of one file sees the instructions it runs.
  * and then one line, LORA_KERNEL_TABLE(isa, own_order), which generates, for

@@ -197,15 +197,7 @@ INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int6
     term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, dt);
 }
 
-INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
-                   int64_t obase, const int dt) {
-    switch (nb) {
-    case 1: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 1, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
-    case 2: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 2, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
-    case 3: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 3, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
-    default: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 4, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
-    }
-}
+#include "kernels_quads.h"
 
 /* [hsum(v0), ..., hsum(v7)]: the fixed hadd / 128-bit-halves tree, so lane l is
  * ((v_l[0]+v_l[1])+(v_l[2]+v_l[3])) + ((v_l[4]+v_l[5])+(v_l[6]+v_l[7])) */

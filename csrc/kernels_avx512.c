@@ -342,15 +342,7 @@ INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int6
         term_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, obase, dt, 0);
 }
 
-INLINE_ void term_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
-                   int64_t obase, const int dt) {
-    switch (nb) {
-    case 1: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 1, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
-    case 2: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 2, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
-    case 3: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 3, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
-    default: term_nb_(tm->m, tm->ldm, tm->kdim, i0, i1, 4, tm->u, tm->ldu, tm->scale, outs, obase, dt); break;
-    }
-}
+#include "kernels_quads.h"
 
 /* [hsum(v0), ..., hsum(v15)] by a fixed tree: within each 128-bit block j of v_l,
  * blk_j = (e0+e2) + (e1+e3) (unpack, then shuffle_ps); then ((blk0+blk2) + (blk1+blk3))
