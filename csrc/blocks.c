@@ -217,18 +217,27 @@ static void run_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int 
 
 int lora_run_plan(const lora_plan *p, int gather) {
     if (p->nblk == 0) return LORA_OK;
-    /* multiply-adds, to decide whether a team is worth waking */
-    int64_t work = 0;
+    /* multiply-adds, to decide whether a team is worth waking, and the bytes a
+     * call reads: the largest entry's factors, x and out (a gather reads a few
+     * rows of B: not counted) */
+    int64_t work = 0, bytes = 0;
     for (int64_t e = 0; e < p->n_entries; e++) {
-        int64_t per = 0;
-        for (int64_t q = p->first[e]; q < p->first[e + 1]; q++)
-            per += p->deltas[q]->rank * (gather ? p->cols : p->rows + p->cols);
+        int64_t per = 0, per_bytes = 0;
+        for (int64_t q = p->first[e]; q < p->first[e + 1]; q++) {
+            const lora_delta *d = p->deltas[q];
+            per += d->rank * (gather ? p->cols : p->rows + p->cols);
+            per_bytes += d->rank * (p->rows + p->cols) * (int64_t)lora_dtype_size(d->dtype);
+        }
         if (per > work) work = per;
+        if (per_bytes > bytes) bytes = per_bytes;
     }
     work *= p->n;
+    bytes += p->n * (p->cols * (int64_t)lora_dtype_size(p->x_dtype) +
+                     p->rows * (int64_t)lora_dtype_size(p->out_dtype));
     /* a team on few blocks meets at barriers in every block: it must pay per block */
     const int nmax = lora_get_num_threads();
-    const int nt = lora_call_threads(p->nblk >= 2 * (int64_t)nmax ? work : work / p->nblk);
+    const int nt = lora_call_threads(p->nblk >= 2 * (int64_t)nmax ? work : work / p->nblk,
+                                     gather ? 0 : bytes);
 
     const int64_t t_per = (int64_t)LORA_NB * p->max_rank_sum;
     const int by_block = p->nblk >= 2 * (int64_t)nt; /* threads take whole blocks */

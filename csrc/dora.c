@@ -53,7 +53,7 @@ int lora_dora_stats(const lora_delta *d, int by_col, const void *w, int w_dtype,
     for (int64_t j = 0; j < k; j++)
         for (int64_t t = 0; t < r; t++) pt[j * r + t] = p_at_(d, by_col, t, j);
     const int64_t nblk = (n + DORA_ROWS - 1) / DORA_ROWS;
-    const int nt = lora_call_threads(n * k * (r + 1));
+    const int nt = lora_call_threads(n * k * (r + 1), 0);
 #ifndef _OPENMP
     (void)nt; /* a serial build: one thread */
 #endif
@@ -116,7 +116,7 @@ int lora_dora_factor(const lora_delta *d, int by_col, const double *sq, const do
     if (bad) *bad = -1;
     if (!d) return LORA_ERR_ARG;
     const int64_t r = d->rank, n = by_col ? d->cols : d->rows;
-    const int nt = lora_call_threads(n * r * (r + 2));
+    const int nt = lora_call_threads(n * r * (r + 2), 0);
 #ifndef _OPENMP
     (void)nt;
 #endif

@@ -68,10 +68,15 @@ int lora_get_num_threads(void);         /* min(cap, omp_get_max_threads()) right
 int lora_probe_threads(void);           /* team size a call would run with right now */
 int lora_fork_releases_pool(void);      /* 1 when fork() releases the OpenMP pool first */
 /* the adaptive team policy (team.c): a call of `work` multiply-adds opens a
- * team only from lora_team_min_work() and while no back-off is running; every
- * team call reports its wall time and its threads' summed compute time */
+ * team only from lora_team_min_work() (from lora_team_min_work_past_l2() when
+ * the `bytes` it reads (adapter factors, x and out) exceed one core's L2 cache,
+ * lora_team_l2_bytes(), 0 when unknown; 0 bytes: not counted) and while no
+ * back-off is running; every team call reports its wall time and its threads'
+ * summed compute time */
 int64_t lora_team_min_work(void);
-int lora_call_threads(int64_t work);     /* threads a call of `work` would use now */
+int64_t lora_team_min_work_past_l2(void);
+int64_t lora_team_l2_bytes(void);
+int lora_call_threads(int64_t work, int64_t bytes); /* threads such a call would use now */
 void lora_team_report(double wall, double busy);
 double lora_team_backoff(void);          /* seconds of one-thread calls left (0: none) */
 void lora_team_stats(int64_t *calls, int64_t *lost);

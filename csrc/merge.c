@@ -112,7 +112,7 @@ int lora_merge(void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t cols, in
     const terms_ tm = {n_terms, a, b, ranks, scales};
     int64_t work = 0;
     for (int t = 0; t < n_terms; t++) work += ranks[t];
-    const int nt = lora_call_threads(rows * cols * work);
+    const int nt = lora_call_threads(rows * cols * work, 0);
     int64_t first = -1;
 #ifdef _OPENMP
     if (nt > 1) {
@@ -167,7 +167,7 @@ int lora_abs_max(const void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t 
     if (!w || !max || rows < 1 || cols < 1 || (rows > 1 && ldw < cols)) return LORA_ERR_ARG;
     const size_t isz = lora_dtype_size(w_dtype);
     uint32_t m = 0;
-    const int nt = lora_call_threads(rows * cols / 4);
+    const int nt = lora_call_threads(rows * cols / 4, 0);
 #ifdef _OPENMP
     if (nt > 1) {
 #pragma omp parallel num_threads(nt)

@@ -102,11 +102,18 @@ def get_num_threads():
     return lib.lora_get_num_threads()
 
 
+def _size(n):
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10} KiB"
+
+
 def thread_policy():
     """One line saying how calls choose their threads right now (``kernel_info()["thread_policy"]``).
 
     A call opens a team only from ``lib.lora_team_min_work()`` multiply-adds per team
-    synchronisation, and only while team calls beat one thread; after two in a row that did not
+    synchronisation (from ``lib.lora_team_min_work_past_l2()`` when the bytes it reads (the adapter
+    factors, x and out) exceed one core's L2 cache, ``lib.lora_team_l2_bytes()``: then each core reads its share from
+    its own L2, or keeps a stream from memory in flight), and only while team calls beat one
+    thread; after two in a row that did not
     (other work holding the cores), calls run on one thread for a back-off of 10 ms to 2 s, and
     the team call that ends it only wakes the team (it is not judged).  ``OMP_WAIT_POLICY`` is
     the user's: the library never sets it.
@@ -116,10 +123,15 @@ def thread_policy():
     n = get_num_threads()
     if n == 1:
         return "one thread (the cap is 1: set_num_threads, OMP_NUM_THREADS or threadpoolctl)"
-    floor = lib.lora_team_min_work()
+    floor, l2 = lib.lora_team_min_work(), lib.lora_team_l2_bytes()
+    past = lib.lora_team_min_work_past_l2()
     text = (f"adaptive: up to {n} threads for calls of at least 2^{floor.bit_length() - 1} "
-            f"multiply-adds per team synchronisation, one thread for 10 ms-2 s after two team "
-            f"calls in a row that were not faster than one thread")
+            f"multiply-adds per team synchronisation")
+    if l2 > 0:
+        text += (f" (2^{past.bit_length() - 1} when the bytes it reads exceed one core's "
+                 f"{_size(l2)} L2)")
+    text += (", one thread for 10 ms-2 s after two team calls in a row that were not faster "
+             "than one thread")
     wait = os.environ.get("OMP_WAIT_POLICY", "").strip()
     text += f"; OMP_WAIT_POLICY={wait} (yours)" if wait else "; OpenMP wait policy: default"
     left = lib.lora_team_backoff()

@@ -257,26 +257,60 @@ def test_team_only_from_the_work_floor(fresh_policy):
     floor = lib.lora_team_min_work()
     assert floor > 1
     top = lora.get_num_threads()
-    assert lib.lora_call_threads(floor - 1) == 1
-    assert lib.lora_call_threads(floor) == top
+    assert lib.lora_call_threads(floor - 1, 0) == 1
+    assert lib.lora_call_threads(floor, 0) == top
     with num_threads(1):
-        assert lib.lora_call_threads(1 << 40) == 1
+        assert lib.lora_call_threads(1 << 40, 1 << 40) == 1
     threadpoolctl = pytest.importorskip("threadpoolctl")
     with threadpoolctl.threadpool_limits(1):
-        assert lib.lora_call_threads(1 << 40) == 1
+        assert lib.lora_call_threads(1 << 40, 1 << 40) == 1
+
+
+def test_calls_past_one_cores_l2_open_a_team_from_the_lower_floor(fresh_policy):
+    """Calls reading more than one core's L2 open a team from the lower floor (each core then
+    reads its share from its own L2); calls that fit keep the plain floor; an unknown L2 (0)
+    or uncounted bytes (0) keep it too."""
+    floor, past = lib.lora_team_min_work(), lib.lora_team_min_work_past_l2()
+    assert 1 < past < floor
+    l2 = lib.lora_team_l2_bytes()
+    assert l2 >= 0 and lib.lora_team_l2_bytes() == l2  # read once, then the same
+    top = lora.get_num_threads()
+    assert lib.lora_call_threads(past - 1, 1 << 40) == 1
+    assert lib.lora_call_threads(floor - 1, 0) == 1
+    if l2 == 0:
+        assert lib.lora_call_threads(floor - 1, 1 << 40) == 1
+        return
+    assert lib.lora_call_threads(past, l2) == 1
+    assert lib.lora_call_threads(past, l2 + 1) == top
+    with num_threads(1):
+        assert lib.lora_call_threads(past, l2 + 1) == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the L2 size is read on Linux")
+def test_the_l2_size_is_read_from_the_system():
+    if not os.path.exists("/sys/devices/system/cpu/cpu0/cache/index0/level"):
+        pytest.skip("no cache description in sysfs here")
+    l2 = lib.lora_team_l2_bytes()
+    assert l2 >= 64 << 10 and l2 % 1024 == 0, l2
+    assert f"{l2 >> 10} KiB L2" in lora.kernel_info()["thread_policy"] or \
+        f"{l2 >> 20} MiB L2" in lora.kernel_info()["thread_policy"]
 
 
 @pytest.mark.skipif(not TWO, reason="needs two OpenMP threads")
 def test_small_calls_never_open_a_team(fresh_policy):
     """A 4096 x 4096 decode is rank x 8192 multiply-adds: the rank at the work floor opens a
     team, half of it does not; 8 positions of 1024 x 1024 reach the floor in all but are two
-    blocks of half of it each, and a team would meet at barriers in every block: one thread."""
+    blocks of half of it each, and a team would meet at barriers in every block: one thread.
+    The half-floor delta is stored in bfloat16 (256 KiB + 32 KiB of x and out), within one
+    core's L2 on most CPUs, so the lower floor for calls past the L2 does not apply to it."""
     floor = lib.lora_team_min_work()
     r_team = floor // 8192
     assert r_team >= 2 and r_team % 2 == 0 and r_team * 8192 == floor, \
         f"the shapes below assume a floor that is an even multiple of 8192, not {floor}"
+    if 0 < lib.lora_team_l2_bytes() < r_team // 2 * 8192 * 2 + 8192 * 4:
+        pytest.skip("an L2 smaller than a 4096 x 4096 bfloat16 decode of half the floor")
     rng = np.random.default_rng(4)
-    d_half = make_delta(rng, r_team // 2, 4096, 4096, "float32")   # floor / 2: one thread
+    d_half = make_delta(rng, r_team // 2, 4096, 4096, "bfloat16")  # floor / 2: one thread
     d_team = make_delta(rng, r_team, 4096, 4096, "float32")        # the floor: a team
     small = make_delta(rng, r_team // 2, 1024, 1024, "float32")    # 8 positions: the floor
     x, out = rand(rng, 4096), np.zeros(4096, np.float32)
@@ -290,26 +324,49 @@ def test_small_calls_never_open_a_team(fresh_policy):
     assert _team_calls()[0] == 1
 
 
+@pytest.mark.skipif(not TWO, reason="needs two OpenMP threads")
+def test_a_decode_past_one_cores_l2_opens_a_team(fresh_policy):
+    """A float32 decode below the plain floor whose factors, x and out exceed one core's L2
+    runs on a team (each core reads half of them from its own L2), with the same bits as one thread."""
+    floor, past, l2 = (lib.lora_team_min_work(), lib.lora_team_min_work_past_l2(),
+                       lib.lora_team_l2_bytes())
+    rank = max(2, -(-past // 8192))
+    while (rank * 8192 + 8192) * 4 <= l2:  # factors, x and out
+        rank += 2
+    if l2 == 0 or rank * 8192 >= floor:
+        pytest.skip(f"a {l2 >> 10} KiB L2: no 4096 x 4096 float32 decode below the plain floor "
+                    "exceeds it")
+    rng = np.random.default_rng(5)
+    d = make_delta(rng, rank, 4096, 4096, "float32")
+    x = rand(rng, 4096)
+    with num_threads(1):
+        one = d.add_to(x, np.zeros(4096, np.float32))
+    assert _team_calls() == (0, 0)
+    team = d.add_to(x, np.zeros(4096, np.float32))
+    assert _team_calls()[0] == 1
+    assert one.tobytes() == team.tobytes()
+
+
 def test_a_losing_team_backs_off_to_one_thread(fresh_policy):
     top = lora.get_num_threads()
     big = 1 << 30
     lib.lora_team_report(1e-3, 1e-3)    # the first team call wakes the team: not judged
     assert lib.lora_team_backoff() == 0.0 and _team_calls() == (1, 0)
     lib.lora_team_report(0.5e-3, 1e-3)  # twice as fast as one thread: pays, no back-off
-    assert lib.lora_team_backoff() == 0.0 and lib.lora_call_threads(big) == top
+    assert lib.lora_team_backoff() == 0.0 and lib.lora_call_threads(big, 0) == top
     lib.lora_team_report(1e-3, 1e-3)    # no faster than one thread: lost, once
     assert _team_calls() == (3, 1) and lib.lora_team_backoff() == 0.0
     lib.lora_team_report(1e-3, 1e-3)    # lost twice in a row: back off
     assert _team_calls() == (4, 2)
     left = lib.lora_team_backoff()
     assert 0.0 < left <= 0.1            # 100x the losing call's 1 ms
-    assert lib.lora_call_threads(big) == 1
+    assert lib.lora_call_threads(big, 0) == 1
     if top > 1:
         assert "now one thread" in lora.kernel_info()["thread_policy"]
     lib.lora_team_report(100.0, 1.0)    # however slow the loser, the back-off stays bounded
     assert 0.0 < lib.lora_team_backoff() <= 2.0
     lib.lora_team_reset()
-    assert lib.lora_call_threads(big) == top and lib.lora_team_backoff() == 0.0
+    assert lib.lora_call_threads(big, 0) == top and lib.lora_team_backoff() == 0.0
 
 
 def test_the_team_call_that_ends_a_back_off_is_not_judged(fresh_policy):
@@ -325,7 +382,7 @@ def test_the_team_call_that_ends_a_back_off_is_not_judged(fresh_policy):
     assert 0.0 < lib.lora_team_backoff() <= 0.01
     while lib.lora_team_backoff() > 0.0:
         time.sleep(0.002)
-    assert lib.lora_call_threads(big) == lora.get_num_threads()  # the back-off has ended
+    assert lib.lora_call_threads(big, 0) == lora.get_num_threads()  # the back-off has ended
     lib.lora_team_report(5e-3, 1e-3)      # a slow wake-up: not judged
     assert lib.lora_team_backoff() == 0.0 and _team_calls() == (4, 2)
     lib.lora_team_report(1e-3, 1e-3)      # judged: lost
