@@ -165,7 +165,9 @@ int lora_get_num_threads(void) {
  * one; at 256 KiB (rank 8, or rank 16 in bfloat16), which fits one core's L2,
  * two threads were 1.17x slower hot and 1.2x slower cold, so those stay on
  * one (medians of 7 interleaved windows).  On Intel's 1.25-2 MiB L2s the
- * same 512 KiB decode fits one core's L2 and keeps the plain floor. */
+ * same decode fits one core's L2 and keeps the plain floor (a float32 call
+ * of rank r reads 4 (1 + 1/r) bytes per multiply-add: below 2^18, rank 4 and
+ * up stay under 1.25 MiB). */
 #define LORA_PAR_MIN_WORK_PAST_L2 ((int64_t)1 << 16)
 #define LORA_TEAM_PAYOFF 0.9
 #define LORA_SOLO_MIN ((int64_t)10000000)   /* ns */
