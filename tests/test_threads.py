@@ -652,3 +652,37 @@ def test_threaded_torch_op_in_a_child_forked_after_threaded_calls(first, work, h
         pytest.fail(f"the fork harness itself hung: {exc.stdout!r}")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr[-3000:]}")
+
+
+@pytest.mark.parametrize("kind", ["delta", "stack", "bank", "bank-f16-out"])
+def test_prefills_of_many_blocks_keep_each_positions_bits(kind, fresh_policy):
+    """A prefill of many blocks with mixed storage dtypes and odd sizes (tails in every row tile
+    and column strip), on one thread and on a team: every position has the bits of add_to on
+    it alone (a block of one)."""
+    rng = np.random.default_rng(11)
+    n, rows, cols = 301, 515, 333  # 76 blocks, the last of one position
+    x = rand(rng, (n, cols))
+    odt = np.float16 if kind.endswith("f16-out") else np.float32
+    members = [make_delta(rng, r, rows, cols, dt, scale=0.3 + 0.1 * i)
+               for i, (r, dt) in enumerate(((96, "float32"), (40, "bfloat16"), (7, "float16")))]
+    ids = rng.integers(-1, 3, n)
+    if kind == "delta":
+        apply_all = lambda o: members[0].add_batch_to(x, o)
+        apply_one = lambda b, o: members[0].add_to(x[b], o)
+    elif kind == "stack":
+        stack = lora.LoraStack(members)
+        apply_all = lambda o: stack.add_batch_to(x, o)
+        apply_one = lambda b, o: stack.add_to(x[b], o)
+    else:
+        bank = lora.LoraBank(members)
+        apply_all = lambda o: bank.add_batch_to(x, o, ids)
+        apply_one = lambda b, o: bank.add_batch_to(x[b:b + 1], o[None], ids[b:b + 1])
+    start = rand(rng, (n, rows)).astype(odt)
+    with num_threads(1):
+        one = apply_all(start.copy())
+    team = apply_all(start.copy())
+    assert_same_bits(team, one, "team vs one thread")
+    alone = start.copy()
+    for b in range(n):
+        apply_one(b, alone[b])
+    assert_same_bits(one, alone, "batch vs each position alone")
