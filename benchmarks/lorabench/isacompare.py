@@ -169,7 +169,10 @@ def run(args):
         limiter.restore_original_limits()
     progress.done()
     others = run_monitor.others()
+    def avg(v):
+        return " ".join(f"{x:.2f}" for x in v) if v else "?"
+
     load = (f"over the run {others:.2f} CPUs; " if others is not None else "") + \
-        f"loadavg {start} at start, {machine.loadavg()} at end (rows above {machine.CpuMonitor.BUSY} CPUs: !)"
+        f"loadavg {avg(start)} at start, {avg(machine.loadavg())} at end (rows above {machine.CpuMonitor.BUSY} CPUs: !)"
     print("\n".join(report_lines(report.cpu_line(c), kinfo, results, isas, time.strftime("%Y-%m-%d"), load)))
     return 0
