@@ -383,7 +383,7 @@ def test_cpu_without_a_table_row_runs_the_flags_rule(cpu_id):
         assert _row(*cpu_id, flags) == (flags, None, None)
 
 
-def test_the_load_time_choice_is_the_table_lookup_of_this_cpu():
+def test_lora_isa_env_and_the_load_time_choice_follow_the_table_lookup():
     """A fresh process runs what lora_isa_for_cpu gives this CPU's cpuid id and flags rule, and
     says why; LORA_ISA forces another supported path and says so."""
     code = ("import lora; from lora import _runtime as r\n"
