@@ -52,7 +52,8 @@ def _cpu_row():
     vendor, ints = ffi.new("char[13]"), [ffi.new("int *") for _ in range(3)]
     known = lib.lora_cpu_id(vendor, *ints)
     name, evidence = ffi.new("const char *[1]"), ffi.new("const char *[1]")
-    default = lib.lora_isa_for_cpu(vendor, ints[0][0], ints[1][0], lib.lora_best_isa(), name, evidence)
+    default = lib.lora_isa_for_cpu(vendor, ints[0][0], ints[1][0], lib.lora_best_isa(), name,
+                                   evidence)
 
     def text(p):
         return None if p == ffi.NULL else ffi.string(p).decode("ascii", "replace")
@@ -63,12 +64,12 @@ def _cpu_row():
     return cpu, ISA_NAMES[default], text(evidence[0])
 
 
-def isa_reason():
+def isa_reason(row=None):
     """Why the path in use runs (``kernel_info()["isa_reason"]``): ``"table: <core>, <evidence>"``
     (a measured CPU model's row chose it), ``"flags: ..."`` (the widest path the CPU's feature
     bits allow; a row that only names the core says so) or ``"LORA_ISA=<name> ..."`` /
-    ``"set_isa(<name>) ..."`` (forced)."""
-    cpu, default, evidence = _cpu_row()
+    ``"set_isa(<name>) ..."`` (forced).  `row`: ``_cpu_row()``, if already read."""
+    cpu, default, evidence = row or _cpu_row()
     source = lib.lora_isa_source()
     if source == lib.LORA_ISA_FROM_TABLE:
         return f"table: {cpu['name']}, {evidence}"
@@ -106,13 +107,13 @@ def _apply_env_isa():
     want = os.environ.get("LORA_ISA", "").strip().lower()
     if not want:
         return
-    best = isa()
+    default = isa()
     if want not in ISA_CODES:
         warnings.warn(f"LORA_ISA={want!r} is not a known ISA path (scalar, avx2, avx512, neon); "
-                      f"using {best}", RuntimeWarning, stacklevel=_user_stacklevel())
+                      f"using {default}", RuntimeWarning, stacklevel=_user_stacklevel())
     elif not lib.lora_isa_supported(ISA_CODES[want]):
         warnings.warn(f"LORA_ISA={want!r} is not supported by this CPU or build "
-                      f"(available: {', '.join(available_isas())}); using {best}",
+                      f"(available: {', '.join(available_isas())}); using {default}",
                       RuntimeWarning, stacklevel=_user_stacklevel())
     else:
         lib.lora_set_isa(ISA_CODES[want])
@@ -177,14 +178,16 @@ def kernel_info():
     """What the extension runs on: a dict with ``isa`` (the path in use), ``isa_reason``
     (`isa_reason()`: table, flags or forced, and why), ``cpu`` (cpuid's ``vendor``, ``family``,
     ``model``, ``stepping``: str / int, None where not read (aarch64); ``name``: the CPU table's
-    name for it, None for a model without a row), ``available_isas``, ``openmp`` (bool), ``threads`` (``get_num_threads()``, the most a call uses),
-    ``thread_policy`` (``thread_policy()``), ``fork_safe_openmp`` (bool: ``fork()`` releases the
-    forking thread's OpenMP pool first, so a threaded op of any library sharing the runtime works
-    in the child; see docs/guarantees.md), ``compiler`` and ``version``."""
+    name for it, None for a model without a row), ``available_isas``, ``openmp`` (bool),
+    ``threads`` (``get_num_threads()``, the most a call uses), ``thread_policy``
+    (``thread_policy()``), ``fork_safe_openmp`` (bool: ``fork()`` releases the forking thread's
+    OpenMP pool first, so a threaded op of any library sharing the runtime works in the child;
+    see docs/guarantees.md), ``compiler`` and ``version``."""
+    row = _cpu_row()
     return {
         "isa": isa(),
-        "isa_reason": isa_reason(),
-        "cpu": _cpu_row()[0],
+        "isa_reason": isa_reason(row),
+        "cpu": row[0],
         "available_isas": available_isas(),
         "openmp": bool(lib.lora_openmp()),
         "threads": get_num_threads(),

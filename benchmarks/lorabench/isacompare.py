@@ -77,6 +77,11 @@ def _geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def fastest(row, isas):
+    """The path with the lowest median on one row."""
+    return min(isas, key=lambda isa: row["paths"][isa]["median_s"])
+
+
 def suggestion(results, isas, widest):
     """(winner, {isa: geometric mean of its medians over the widest path's}) over every row."""
     rel = {isa: _geomean([r["paths"][isa]["median_s"] / r["paths"][widest]["median_s"]
@@ -85,10 +90,11 @@ def suggestion(results, isas, widest):
 
 
 def table_row(cpu, name, isa, widest, rel, wins, date, noisy):
-    """The CPU table row this run suggests, in csrc/isa.c's syntax (one line)."""
+    """The CPU table row this run suggests, in csrc/isa.c's syntax (one line); `wins`: (rows
+    where `isa` was fastest, rows)."""
     path = "FLAGS_" if isa == widest else f"LORA_ISA_{isa.upper()}"
     margin = ", ".join(f"{o} {rel[o] / rel[isa]:.2f}x its time" for o in rel if o != isa)
-    evidence = (f"bench.py --isa-compare {date}: {isa} fastest on {wins}/{len(ROWS)} rows, {margin} "
+    evidence = (f"bench.py --isa-compare {date}: {isa} fastest on {wins[0]}/{wins[1]} rows, {margin} "
                 "(geomean of medians); docs/performance.md 'ISA paths by CPU'")
     line = (f'{{"{cpu["vendor"]}", {cpu["family"]}, {cpu["model"]}, {cpu["model"]}, {path}, "{name}", '
             f'"{evidence}"}},')
@@ -107,11 +113,10 @@ def report_lines(cpu_text, kinfo, results, isas, date, load):
         busy = r["others_cpu"]
         flag = busy is not None and busy > machine.CpuMonitor.BUSY
         noisy |= flag
-        fastest = r["fastest"] = min(isas, key=lambda isa: p[isa]["median_s"])
         body.append([label] + [report.fmt_time(p[isa]["median_s"]) for isa in isas]
                     + [report.fmt_range(p[isa]["min_s"], p[isa]["max_s"]) for isa in isas]
                     + [f"{p[isa]['median_s'] / p[widest]['median_s']:.2f}x" for isa in others]
-                    + [fastest, "-" if busy is None else f"{'! ' if flag else ''}others {busy:.2f} CPU"])
+                    + [fastest(r, isas), "-" if busy is None else f"{'! ' if flag else ''}others {busy:.2f} CPU"])
     widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
 
     def line(cells):
@@ -120,7 +125,7 @@ def report_lines(cpu_text, kinfo, results, isas, date, load):
 
     cpu = kinfo["cpu"]
     lines = [cpu_text,
-             f"lora {kinfo.get('version')}: default isa {kinfo.get('isa')} (available: {' '.join(isas)}), "
+             f"lora {kinfo.get('version')}: isa {kinfo.get('isa')} (available: {' '.join(isas)}), "
              f"threads {kinfo.get('threads')}; chosen by {kinfo.get('isa_reason')}",
              f"cpuid: {cpu['vendor']} family {cpu['family']} model {cpu['model']} stepping {cpu['stepping']}"
              f" (table row: {cpu['name'] or 'none'})",
@@ -133,13 +138,13 @@ def report_lines(cpu_text, kinfo, results, isas, date, load):
     if len(isas) < 2:
         return lines + ["one path only: nothing to compare"]
     winner, rel = suggestion(results, isas, widest)
-    wins = sum(r["fastest"] == winner for r in results.values())
+    wins = sum(fastest(r, isas) == winner for r in results.values())
     name = cpu["name"] or "<core name>"
     lines += [f"fastest by the geometric mean of the rows' medians: {winner}, on {wins} of {len(results)} rows"
               + (" (the flags rule's path: the row only names the core)" if winner == widest else
                  f" (narrower than the flags rule's {widest}: the row names it)"),
               "suggested csrc/isa.c CPU table row" + (" (noisy)" if noisy else "") + ":",
-              "    " + table_row(cpu, name, winner, widest, rel, wins, date, noisy)]
+              "    " + table_row(cpu, name, winner, widest, rel, (wins, len(results)), date, noisy)]
     return lines
 
 
