@@ -1,31 +1,101 @@
 /*
- * isa.c - which ISA path runs: CPU feature detection, the kernel table in
- * use, lowering it on request, and the build facts kernel_info() reports.
+ * isa.c - which ISA path runs: CPU feature detection, the table of CPU
+ * models whose path was measured, the kernel table in use, forcing another
+ * path on request, and the build facts kernel_info() reports.
  *
  * The path is a pointer to one ISA file's kernel table (lora_kernels_<isa>,
- * kernels.h), set once at load from the CPU's feature bits
- * (__builtin_cpu_supports, cpuid for F16C; on aarch64 NEON is baseline and
- * always chosen) and lowered on request (lora_set_isa: the Python layer
- * applies LORA_ISA through it); it can never be raised above what the CPU
- * supports.  Threads and the team policy are team.c's.
+ * kernels.h), set once at load:
+ *   1. the flags rule, lora_best_isa: the widest path the CPU's feature bits
+ *      allow (__builtin_cpu_supports, cpuid for F16C; on aarch64 NEON is
+ *      baseline and always chosen);
+ *   2. then CORES_ below, looked up by the vendor, family and model cpuid
+ *      reports (lora_isa_for_cpu): a row may name a narrower path for a core
+ *      where it measured faster (a core that decodes AVX-512 but runs it on
+ *      256-bit units), never a wider one.
+ * Never a timing probe: a probe on a shared machine would pick different
+ * paths, hence different bits (each path has its own summation order), from
+ * run to run; a table gives one path per CPU model.  lora_set_isa forces any
+ * supported path (the Python layer applies LORA_ISA through it).  Threads and
+ * the team policy are team.c's.
  */
+#include <string.h>
+
 #include "internal.h"
 
 #if defined(LORA_HAVE_X86)
 #include <cpuid.h>
 #endif
 
+/* One CPU model whose path was measured.  `isa` is the path to run there,
+ * or FLAGS_ where the flags rule is what the measurement supports (the row
+ * then only names the core).  `evidence` points at the benchmark rows that
+ * measured it; a row without a measurement does not belong here. */
+typedef struct {
+    const char *vendor;       /* cpuid leaf 0: "GenuineIntel", "AuthenticAMD" */
+    int family;               /* base family + extended family */
+    int model_lo, model_hi;   /* (extended model << 4) + model, inclusive */
+    int isa;                  /* LORA_ISA_* or FLAGS_ */
+    const char *name;
+    const char *evidence;
+} core_row_;
+
+#define FLAGS_ (-1)
+
+/* To add a core: run `python benchmarks/bench.py --isa-compare` on it and
+ * paste the row it prints, with its evidence, and the run into
+ * docs/performance.md ("ISA paths by CPU").  AMD Zen 4 (family 25, models
+ * 0x10-0x1f, 0x60-0xaf) reports AVX-512 but executes it on 256-bit units:
+ * its row waits for that measurement. */
+static const core_row_ CORES_[] = {
+    {"GenuineIntel", 6, 106, 106, FLAGS_, "Ice Lake-SP",
+     "docs/performance.md 'One full run': every row on avx512 (no avx2 run recorded to compare)"},
+    {"AuthenticAMD", 25, 1, 1, FLAGS_, "Zen 3 (Milan)",
+     "no AVX-512; docs/performance.md 'ISA paths by CPU': bench.py --isa-compare, "
+     "avx2 fastest on 4/4 rows"},
+};
+#define N_CORES_ ((int)(sizeof CORES_ / sizeof CORES_[0]))
+
 static const lora_kernel_table *g_kt = &lora_kernels_scalar;
 static int g_isa = LORA_ISA_SCALAR;
+static int g_source = LORA_ISA_FROM_FLAGS;
 
 const lora_kernel_table *lora_active_kernels(void) { return g_kt; }
 
-#if defined(__GNUC__) || defined(__clang__)
-__attribute__((constructor))
+int lora_cpu_id(char *vendor, int *family, int *model, int *stepping) {
+    vendor[0] = '\0';
+    *family = *model = *stepping = -1;
+#if defined(LORA_HAVE_X86)
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 0;
+    memcpy(vendor, &ebx, 4), memcpy(vendor + 4, &edx, 4), memcpy(vendor + 8, &ecx, 4);
+    vendor[12] = '\0';
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+    const int base = (eax >> 8) & 0xf;  /* the SDM's and the APM's rule */
+    *family = base == 0xf ? base + (int)((eax >> 20) & 0xff) : base;
+    *model = (int)((eax >> 4) & 0xf);
+    if (base == 0x6 || base == 0xf) *model += (int)((eax >> 16) & 0xf) << 4;
+    *stepping = (int)(eax & 0xf);
+    return 1;
+#else
+    return 0;
 #endif
-static void lora_isa_init_(void) {
-    g_isa = lora_best_isa();
-    lora_set_isa(g_isa);
+}
+
+int lora_isa_for_cpu(const char *vendor, int family, int model, int flags_best,
+                     const char **name, const char **evidence) {
+    const core_row_ *row = NULL;
+    for (int i = 0; vendor && i < N_CORES_ && !row; i++)
+        if (!strcmp(vendor, CORES_[i].vendor) && family == CORES_[i].family &&
+            model >= CORES_[i].model_lo && model <= CORES_[i].model_hi)
+            row = &CORES_[i];
+    if (name) *name = row ? row->name : NULL;
+    if (evidence) *evidence = row ? row->evidence : NULL;
+    /* x86 codes rank by width and every wider path needs the narrower one's
+     * features, so a row's path at or below flags_best is one the CPU runs */
+    const int x86 = flags_best >= LORA_ISA_SCALAR && flags_best <= LORA_ISA_AVX512;
+    if (row && row->isa != FLAGS_ && x86 && row->isa >= LORA_ISA_SCALAR && row->isa <= flags_best)
+        return row->isa;
+    return flags_best;
 }
 
 int lora_isa_supported(int isa) {
@@ -55,9 +125,7 @@ int lora_best_isa(void) {
     return LORA_ISA_SCALAR;
 }
 
-int lora_get_isa(void) { return g_isa; }
-
-int lora_set_isa(int isa) {
+static int use_path_(int isa) {
     if (!lora_isa_supported(isa)) return LORA_ERR_ARG;
     switch (isa) {
 #if defined(LORA_HAVE_X86)
@@ -71,6 +139,33 @@ int lora_set_isa(int isa) {
     }
     g_isa = isa;
     return LORA_OK;
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((constructor))
+#endif
+static void lora_isa_init_(void) {
+    char vendor[13];
+    int family, model, stepping;
+    lora_cpu_id(vendor, &family, &model, &stepping);
+    const int flags = lora_best_isa();
+    const int isa = lora_isa_for_cpu(vendor, family, model, flags, NULL, NULL);
+    if (isa != flags && use_path_(isa) == LORA_OK) {
+        g_source = LORA_ISA_FROM_TABLE;
+    } else {
+        use_path_(flags);
+        g_source = LORA_ISA_FROM_FLAGS;
+    }
+}
+
+int lora_get_isa(void) { return g_isa; }
+
+int lora_isa_source(void) { return g_source; }
+
+int lora_set_isa(int isa) {
+    const int st = use_path_(isa);
+    if (st == LORA_OK) g_source = LORA_ISA_FROM_CALLER;
+    return st;
 }
 
 const char *lora_compiler(void) {

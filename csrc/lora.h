@@ -54,11 +54,26 @@ typedef struct lora_delta lora_delta;
 #define LORA_ISA_NEON 3
 #define LORA_ISA_COUNT 4
 
+/* why the path in use was chosen (lora_isa_source) */
+#define LORA_ISA_FROM_FLAGS 0   /* the widest path the CPU's feature bits allow */
+#define LORA_ISA_FROM_TABLE 1   /* a measured CPU model's row named a narrower one */
+#define LORA_ISA_FROM_CALLER 2  /* lora_set_isa (LORA_ISA, set_isa) */
+
 /* --- ISA choice and build facts (isa.c) ---------------------------------- */
 int lora_isa_supported(int isa);        /* 1 when this CPU and build can run `isa` */
-int lora_best_isa(void);                /* the best supported path */
+int lora_best_isa(void);                /* the flags rule: the widest supported path */
 int lora_get_isa(void);                 /* the path in use */
 int lora_set_isa(int isa);              /* LORA_OK, or LORA_ERR_ARG when unsupported */
+int lora_isa_source(void);              /* LORA_ISA_FROM_* of the path in use */
+/* this CPU's cpuid vendor (vendor: 13 chars), family and model (extended
+ * parts added) and stepping; 1 when read, 0 elsewhere (aarch64: "", -1s) */
+int lora_cpu_id(char *vendor, int *family, int *model, int *stepping);
+/* the path the load-time choice runs on a CPU with this id and flags rule
+ * (the choice itself calls it): the CPU table's path for a measured model,
+ * never above flags_best, else flags_best; *name / *evidence (when not NULL)
+ * = the table row's, or NULL for a CPU without one */
+int lora_isa_for_cpu(const char *vendor, int family, int model, int flags_best,
+                     const char **name, const char **evidence);
 const char *lora_compiler(void);        /* the compiler that built the extension */
 
 /* --- threads (team.c) ----------------------------------------------------- */

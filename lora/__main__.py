@@ -40,6 +40,8 @@ def _info(out):
     for key, value in lora.kernel_info().items():
         if isinstance(value, (list, tuple)):
             value = ", ".join(str(v) for v in value)
+        elif isinstance(value, dict):  # the cpu: vendor AuthenticAMD, family 25, ...
+            value = ", ".join(f"{k} {v}" for k, v in value.items())
         print(f"{key}: {value}", file=out)
 
 

@@ -34,11 +34,54 @@ def set_isa(name):
     Raises ``ValueError`` for a path this CPU or build cannot run.  Unlike ``LORA_ISA`` it never
     falls back silently: a test that asks for avx512 must get avx512.
     """
+    global _forced_by
     previous = isa()
     code = ISA_CODES.get(name)
     if code is None or lib.lora_set_isa(code) != lib.LORA_OK:
         raise ValueError(f"ISA {name!r} is not available here; available: {available_isas()}")
+    _forced_by = f"set_isa({name!r})"
     return previous
+
+
+_forced_by = None  # what last forced the path: "LORA_ISA=..." or "set_isa(...)"
+
+
+def _cpu_row():
+    """This CPU's cpuid id, the path the load-time choice gives it, and its table row's name
+    and evidence (None without a row) -- the C choice's own lookup, lora_isa_for_cpu."""
+    vendor, ints = ffi.new("char[13]"), [ffi.new("int *") for _ in range(3)]
+    known = lib.lora_cpu_id(vendor, *ints)
+    name, evidence = ffi.new("const char *[1]"), ffi.new("const char *[1]")
+    default = lib.lora_isa_for_cpu(vendor, ints[0][0], ints[1][0], lib.lora_best_isa(), name,
+                                   evidence)
+
+    def text(p):
+        return None if p == ffi.NULL else ffi.string(p).decode("ascii", "replace")
+
+    cpu = {"vendor": ffi.string(vendor).decode("ascii", "replace") if known else None,
+           "family": ints[0][0] if known else None, "model": ints[1][0] if known else None,
+           "stepping": ints[2][0] if known else None, "name": text(name[0])}
+    return cpu, ISA_NAMES[default], text(evidence[0])
+
+
+def isa_reason(row=None):
+    """Why the path in use runs (``kernel_info()["isa_reason"]``): ``"table: <core>, <evidence>"``
+    (a measured CPU model's row chose it), ``"flags: ..."`` (the widest path the CPU's feature
+    bits allow; a row that only names the core says so) or ``"LORA_ISA=<name> ..."`` /
+    ``"set_isa(<name>) ..."`` (forced).  `row`: ``_cpu_row()``, if already read."""
+    cpu, default, evidence = row or _cpu_row()
+    source = lib.lora_isa_source()
+    if source == lib.LORA_ISA_FROM_TABLE:
+        return f"table: {cpu['name']}, {evidence}"
+    flags = "flags: the widest path this CPU and build support"
+    if cpu["name"]:
+        flags += f"; the CPU table's row {cpu['name']} keeps it: {evidence}"
+    elif cpu["vendor"]:
+        flags += "; no CPU table row for this model"
+    if source == lib.LORA_ISA_FROM_FLAGS:
+        return flags
+    why = "table" if default != ISA_NAMES[lib.lora_best_isa()] else "flags"
+    return f"{_forced_by or 'lora_set_isa'} (the default here: {default}, by {why})"
 
 
 def _user_stacklevel():
@@ -57,21 +100,24 @@ def _user_stacklevel():
 
 
 def _apply_env_isa():
-    """LORA_ISA=scalar|avx2|avx512|neon can only lower the choice; an unknown name or a path
-    this CPU or build cannot run warns (RuntimeWarning) and keeps the best path."""
+    """LORA_ISA=scalar|avx2|avx512|neon forces that path when this CPU and build run it (even
+    one above a table row's choice); an unknown name or a path this CPU or build cannot run
+    warns (RuntimeWarning) and keeps the default path."""
+    global _forced_by
     want = os.environ.get("LORA_ISA", "").strip().lower()
     if not want:
         return
-    best = ISA_NAMES[lib.lora_best_isa()]
+    default = isa()
     if want not in ISA_CODES:
         warnings.warn(f"LORA_ISA={want!r} is not a known ISA path (scalar, avx2, avx512, neon); "
-                      f"using {best}", RuntimeWarning, stacklevel=_user_stacklevel())
+                      f"using {default}", RuntimeWarning, stacklevel=_user_stacklevel())
     elif not lib.lora_isa_supported(ISA_CODES[want]):
         warnings.warn(f"LORA_ISA={want!r} is not supported by this CPU or build "
-                      f"(available: {', '.join(available_isas())}); using {best}",
+                      f"(available: {', '.join(available_isas())}); using {default}",
                       RuntimeWarning, stacklevel=_user_stacklevel())
     else:
         lib.lora_set_isa(ISA_CODES[want])
+        _forced_by = f"LORA_ISA={want}"
 
 
 _apply_env_isa()
@@ -141,13 +187,19 @@ def thread_policy():
 
 
 def kernel_info():
-    """What the extension runs on: a dict with ``isa`` (the path in use), ``available_isas``,
-    ``openmp`` (bool), ``threads`` (``get_num_threads()``, the most a call uses),
-    ``thread_policy`` (``thread_policy()``), ``fork_safe_openmp`` (bool: ``fork()`` releases the
-    forking thread's OpenMP pool first, so a threaded op of any library sharing the runtime works
-    in the child; see docs/guarantees.md), ``compiler`` and ``version``."""
+    """What the extension runs on: a dict with ``isa`` (the path in use), ``isa_reason``
+    (`isa_reason()`: table, flags or forced, and why), ``cpu`` (cpuid's ``vendor``, ``family``,
+    ``model``, ``stepping``: str / int, None where not read (aarch64); ``name``: the CPU table's
+    name for it, None for a model without a row), ``available_isas``, ``openmp`` (bool),
+    ``threads`` (``get_num_threads()``, the most a call uses), ``thread_policy``
+    (``thread_policy()``), ``fork_safe_openmp`` (bool: ``fork()`` releases the forking thread's
+    OpenMP pool first, so a threaded op of any library sharing the runtime works in the child;
+    see docs/guarantees.md), ``compiler`` and ``version``."""
+    row = _cpu_row()
     return {
         "isa": isa(),
+        "isa_reason": isa_reason(row),
+        "cpu": row[0],
         "available_isas": available_isas(),
         "openmp": bool(lib.lora_openmp()),
         "threads": get_num_threads(),

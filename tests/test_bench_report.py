@@ -52,3 +52,45 @@ def test_the_dora_rows_render_and_feed_their_targets():
     assert len(got) == 4 and all(v["status"] == "PASS" for v in got.values()), got
     assert got[f"{dorapeft.DECODE} f32: DoRA overhead, ours / our plain LoRA's"]["value"] == pytest.approx(2 / 1.8)
     assert got[f"{dorapeft.DECODE} f32: DoRA overhead, ours / PEFT's default DoRA's"]["value"] == pytest.approx(2 / 140)
+
+
+def _isa_results(medians, busy=0.0):
+    """--isa-compare results: every ROWS row with these per-path medians (seconds)."""
+    from lorabench import isacompare
+
+    paths = {isa: {"median_s": m, "min_s": 0.9 * m, "max_s": 1.2 * m, "n": 25} for isa, m in medians.items()}
+    return {f"{name} {isacompare.DT[dt]}": {"paths": paths, "others_cpu": busy, "check": {}}
+            for name, dt in isacompare.ROWS}
+
+
+ZEN4 = {"vendor": "AuthenticAMD", "family": 25, "model": 17, "stepping": 1, "name": None}
+
+
+def test_isa_compare_suggests_the_narrower_path_where_it_wins():
+    from lorabench import isacompare
+
+    isas = ["scalar", "avx2", "avx512"]
+    kinfo = {"version": "0", "isa": "avx512", "threads": 2, "isa_reason": "flags: ...", "cpu": ZEN4}
+    lines = isacompare.report_lines("CPU: test", kinfo, _isa_results({"scalar": 8e-5, "avx2": 1e-5, "avx512": 1.25e-5}),
+                                    isas, "2026-01-01", "0.00 CPUs")
+    text = "\n".join(lines)
+    assert "scalar/avx512" in text and "avx2/avx512" in text and "0.80x" in text
+    row = lines[-1].strip()
+    assert row.startswith('{"AuthenticAMD", 25, 17, 17, LORA_ISA_AVX2, "<core name>", "bench.py --isa-compare 2026-01-01: '
+                          'avx2 fastest on 4/4 rows, scalar 8.00x its time, avx512 1.25x its time')
+    assert row.endswith("},") and "noisy" not in text
+    # the widest path winning keeps the flags rule; a busy machine marks the suggestion noisy
+    lines = isacompare.report_lines("CPU: test", kinfo, _isa_results({"scalar": 8e-5, "avx2": 1.5e-5, "avx512": 1e-5},
+                                                                     busy=0.5), isas, "2026-01-01", "0.50 CPUs")
+    assert ", FLAGS_, " in lines[-1] and "noisy" in lines[-1] and "(noisy):" in lines[-2]
+    assert "! others 0.50 CPU" in "\n".join(lines)
+
+
+def test_isa_compare_without_cpuid_suggests_no_row():
+    from lorabench import isacompare
+
+    kinfo = {"version": "0", "isa": "neon", "threads": 2, "isa_reason": "flags: ...",
+             "cpu": dict.fromkeys(ZEN4)}
+    lines = isacompare.report_lines("CPU: test", kinfo, _isa_results({"scalar": 4e-5, "neon": 1e-5}),
+                                    ["scalar", "neon"], "2026-01-01", "-")
+    assert "scalar/neon" in "\n".join(lines) and "no CPU table on this architecture" in lines[-1]

@@ -162,6 +162,9 @@ def test_info_prints_kernel_info():
     got = dict(l.split(": ", 1) for l in lines)
     assert got["isa"] == info["isa"]
     assert got["available_isas"].split(", ") == list(info["available_isas"])
+    assert got["isa_reason"].startswith(("flags: ", "table: "))  # a fresh process: not forced
+    assert got["cpu"] == ", ".join(f"{k} {v}" for k, v in info["cpu"].items())
+    assert got["cpu"].startswith("vendor ")
 
 
 def test_import_and_info_load_no_file_format_library():

@@ -327,34 +327,114 @@ def test_scale_rules(isa):
 
 def test_kernel_info_shape():
     info = lora.kernel_info()
-    assert set(info) >= {"isa", "available_isas", "openmp", "threads", "compiler", "version"}
+    assert set(info) >= {"isa", "isa_reason", "cpu", "available_isas", "openmp", "threads",
+                         "compiler", "version"}
     assert info["isa"] in ("scalar", "avx2", "avx512", "neon")
     assert info["isa"] in info["available_isas"] and "scalar" in info["available_isas"]
     assert info["threads"] == lora.get_num_threads()
     assert isinstance(info["openmp"], bool) and isinstance(info["compiler"], str)
     assert info["version"] == lora.__version__
+    assert isinstance(info["isa_reason"], str)
+    assert info["isa_reason"].startswith(("table: ", "flags: ", "LORA_ISA=", "set_isa("))
+    cpu = info["cpu"]
+    assert list(cpu) == ["vendor", "family", "model", "stepping", "name"]
+    if "avx2" in info["available_isas"]:  # x86: cpuid was read
+        assert isinstance(cpu["vendor"], str) and len(cpu["vendor"]) == 12
+        assert all(type(cpu[k]) is int and cpu[k] >= 0 for k in ("family", "model", "stepping"))
+    if cpu["vendor"] is None:
+        assert cpu["family"] is cpu["model"] is cpu["stepping"] is cpu["name"] is None
+    assert cpu["name"] is None or isinstance(cpu["name"], str) and cpu["name"]
+
+
+def _row(vendor, family, model, flags):
+    """lora_isa_for_cpu for a made-up CPU id: (path name, table name, evidence)."""
+    name, evidence = _runtime.ffi.new("const char *[1]"), _runtime.ffi.new("const char *[1]")
+    got = lib.lora_isa_for_cpu(_runtime.ffi.NULL if vendor is None else vendor.encode(), family, model,
+                               _runtime.ISA_CODES[flags], name, evidence)
+
+    def text(p):
+        return None if p == _runtime.ffi.NULL else _runtime.ffi.string(p).decode()
+
+    return _runtime.ISA_NAMES[got], text(name[0]), text(evidence[0])
+
+
+def test_cpu_table_rows_name_measured_cores_and_keep_the_flags_rule():
+    """The two measured cores are named; neither overrides the flags rule (both were measured on
+    the widest path only, or have no wider one).  A row's evidence points at its measurement."""
+    for flags in ("scalar", "avx2", "avx512"):
+        isa, name, evidence = _row("GenuineIntel", 6, 106, flags)
+        assert (isa, name) == (flags, "Ice Lake-SP") and "docs/performance.md" in evidence
+        isa, name, evidence = _row("AuthenticAMD", 25, 1, flags)
+        assert (isa, name) == (flags, "Zen 3 (Milan)") and "--isa-compare" in evidence
+
+
+@pytest.mark.parametrize("cpu_id", [
+    ("AuthenticAMD", 25, 0x11),   # Zen 4 (Genoa): AVX-512 on 256-bit units, not measured yet
+    ("AuthenticAMD", 25, 0x61),   # Zen 4 (Raphael)
+    ("GenuineIntel", 6, 143),     # Sapphire Rapids: no machine line recorded
+    ("GenuineIntel", 25, 1),      # Zen 3's family and model under another vendor
+    ("AuthenticAMD", 6, 106),     # Ice Lake's under another vendor
+    ("HygonGenuine", 24, 0),
+    ("", -1, -1),                 # what lora_cpu_id gives where there is no cpuid (aarch64)
+    (None, 25, 1),
+])
+def test_cpu_without_a_table_row_runs_the_flags_rule(cpu_id):
+    for flags in ("scalar", "avx2", "avx512", "neon"):
+        assert _row(*cpu_id, flags) == (flags, None, None)
+
+
+def test_lora_isa_env_and_the_load_time_choice_follow_the_table_lookup():
+    """A fresh process runs what lora_isa_for_cpu gives this CPU's cpuid id and flags rule, and
+    says why; LORA_ISA forces another supported path and says so."""
+    code = ("import lora; from lora import _runtime as r\n"
+            "i = lora.kernel_info(); print(i['isa']); print(r._cpu_row()[1]); print(i['isa_reason'])\n")
+    p = subprocess.run([PYTHON, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    isa, looked_up, reason = p.stdout.splitlines()
+    assert isa == looked_up
+    cpu = lora.kernel_info()["cpu"]
+    flags = _runtime.ISA_NAMES[lib.lora_best_isa()]
+    assert _row(cpu["vendor"] or "", cpu["family"] or -1, cpu["model"] or -1, flags)[0] == isa
+    assert reason.startswith("table: " if isa != flags else "flags: ")
+    if cpu["name"]:
+        assert cpu["name"] in reason
+    p = subprocess.run([PYTHON, "-c", code], env=subprocess_env(LORA_ISA="scalar"),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    isa, looked_up, reason = p.stdout.splitlines()
+    assert (isa, looked_up) == ("scalar", _row(cpu["vendor"] or "", cpu["family"] or -1,
+                                               cpu["model"] or -1, flags)[0])
+    assert reason.startswith("LORA_ISA=scalar (the default here: ")
+
+
+def test_set_isa_is_named_as_the_reason():
+    with using_isa("scalar"):
+        assert lora.kernel_info()["isa_reason"].startswith("set_isa('scalar') (the default here: ")
 
 
 def _isa_in_child(value):
     code = ("import lora\n"
             "info = lora.kernel_info()\n"
             "print(info['isa'])\n"
-            "print(','.join(info['available_isas']))\n")
+            "print(','.join(info['available_isas']))\n"
+            "print(info['isa_reason'].split(':')[0])\n")
     env = subprocess_env() if value is None else subprocess_env(LORA_ISA=value)
     p = subprocess.run([PYTHON, "-W", "always", "-c", code], env=env, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    isa, avail = p.stdout.split()
-    return isa, avail.split(","), p.stderr
+    isa, avail, source = p.stdout.splitlines()
+    return isa, avail.split(","), p.stderr, source
 
 
-def test_lora_isa_env_lowers_the_choice():
-    best, avail, err = _isa_in_child(None)
-    assert best == avail[-1] and "Warning" not in err
+def test_lora_isa_env_forces_any_supported_path():
+    best, avail, err, source = _isa_in_child(None)
+    # the default: the widest path, unless the CPU table names a narrower one for this model
+    assert (best == avail[-1]) == (source == "flags") and "Warning" not in err
     for name in avail:
-        isa, _, err = _isa_in_child(name)
-        assert isa == name and "RuntimeWarning" not in err
-    isa, _, err = _isa_in_child(" Scalar ")
+        isa, _, err, source = _isa_in_child(name)
+        assert isa == name and "RuntimeWarning" not in err and source == f"LORA_ISA={name} (the default here"
+    isa, *_ = _isa_in_child(" Scalar ")
     assert isa == "scalar"
 
 
@@ -366,8 +446,8 @@ def test_lora_isa_env_scalar_prints_scalar():
 
 
 def test_lora_isa_env_bogus_warns_and_uses_best():
-    best, avail, _ = _isa_in_child(None)
-    isa, _, err = _isa_in_child("bogus")
+    best, *_ = _isa_in_child(None)
+    isa, _, err, _ = _isa_in_child("bogus")
     assert isa == best
     assert "RuntimeWarning" in err and "bogus" in err
 
@@ -375,11 +455,11 @@ def test_lora_isa_env_bogus_warns_and_uses_best():
 def test_lora_isa_env_never_raises_the_choice():
     """A path this CPU cannot run (here: every one it lacks, NEON on x86) falls back to the best
     supported path with a RuntimeWarning; it never selects a path above the CPU."""
-    best, avail, _ = _isa_in_child(None)
+    best, avail, *_ = _isa_in_child(None)
     missing = [n for n in ("scalar", "avx2", "avx512", "neon") if n not in avail]
     assert missing, "this CPU runs every path"
     for name in missing:
-        isa, _, err = _isa_in_child(name)
+        isa, _, err, _ = _isa_in_child(name)
         assert isa == best and isa in avail, (name, isa)
         assert "RuntimeWarning" in err
 

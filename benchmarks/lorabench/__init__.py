@@ -15,6 +15,8 @@
                 (``workloads.moepeft``: the same for a Qwen3-MoE with LoRA on its experts);
 * ``targets``   the speed targets as a table, and the one function that judges them;
 * ``report``    header, table, targets, JSON document and plot;
+* ``isacompare`` ``--isa-compare``: a few rows under every ISA path the CPU runs, and the CPU table
+                row (``csrc/isa.c``) the medians suggest;
 * ``cli``       the flags and the run.
 
 What is measured

@@ -12,7 +12,7 @@ import traceback
 
 import numpy as np
 
-from . import machine, peftmodel, report, targets, workloads
+from . import isacompare, machine, peftmodel, report, targets, workloads
 from .workloads import dorapeft, moepeft
 from .timing import TimingConfig
 
@@ -40,6 +40,9 @@ def parse_args(argv, description):
                    "processes to go idle, and measure a timed block again (up to 3 times, after "
                    "waiting up to S seconds) when they were busy during it")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.add_argument("--isa-compare", action="store_true",
+                   help="time a few rows under every ISA path this CPU runs and print the CPU table "
+                   "row (csrc/isa.c) the run suggests; about a minute (lorabench/isacompare.py)")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
@@ -67,6 +70,8 @@ COLUMNS_NOTE = [
 
 def main(argv=None, description=None):
     args = parse_args(argv, description)
+    if args.isa_compare:
+        return isacompare.run(args)
     quick = args.quick
     cpu = machine.cpu_info()
     threads = args.threads or cpu["usable_cpus"] or 1

@@ -80,17 +80,22 @@ _BASE_NAMES = {
 }
 
 
-def header_lines(meta):
-    c, k = meta["cpu"], meta["lora"]
+def cpu_line(c):
+    """The "CPU: ..." line of a report, from ``machine.cpu_info()``."""
     cpu = c["model"]
     if c.get("family_model"):
         cpu += f" ({c['family_model']}" + (f", {c['microarchitecture']}" if c.get("microarchitecture") else "") + ")"
+    return (f"CPU: {cpu}, {c['logical_cpus']} logical CPUs ({c['usable_cpus']} usable)"
+            + (f", {c['mhz']:.0f} MHz nominal" if c.get("mhz") else "")
+            + (f", {' '.join(c['simd_flags'])}" if c.get("simd_flags") else ""))
+
+
+def header_lines(meta):
+    c, k = meta["cpu"], meta["lora"]
     lines = [
         f"lora-kernels benchmark  {meta['date']}  python {meta['python']}  numpy {meta['numpy']}"
         f"  torch {meta['torch'] or '-'}" + ("  [--quick]" if meta["quick"] else ""),
-        f"CPU: {cpu}, {c['logical_cpus']} logical CPUs ({c['usable_cpus']} usable)"
-        + (f", {c['mhz']:.0f} MHz nominal" if c.get("mhz") else "")
-        + (f", {' '.join(c['simd_flags'])}" if c.get("simd_flags") else ""),
+        cpu_line(c),
         "caches: L1d {} /core, L2 {} /core, L3 {} ({}); last level {}; memory available {}".format(
             fmt_bytes(c["caches"]["L1d"]), fmt_bytes(c["caches"]["L2"]), fmt_bytes(c["caches"]["L3"]),
             c["caches_source"], c["llc"]["level"],
@@ -98,6 +103,7 @@ def header_lines(meta):
         f"lora {k.get('version')} ({meta['lora_path']}): isa {k.get('isa')} (available: "
         f"{' '.join(k.get('available_isas', []))}), openmp {k.get('openmp')}, threads {k.get('threads')}, "
         f"compiler {k.get('compiler')}",
+        f"isa chosen by {k.get('isa_reason', '?')}",
         f"threads: {meta['threads']} (lora {meta['lora_threads']}, NumPy BLAS {meta['blas_threads']}, "
         f"torch {meta['torch_threads'] or '-'})",
     ]
