@@ -17,8 +17,10 @@ before the DoRA terms and put back after.
 
 import numpy as np
 
+from . import _arrays as arrays
 from . import _dtypes as dtypes
 from ._entries import EntryTable
+from ._lora_cffi import ffi, lib
 from .accelerate import ServedLayer, hook_reason
 from .delta import LoraDelta
 from .dora import DoraDelta
@@ -28,6 +30,8 @@ from .stack import LoraStack
 __all__ = ["Kind", "Layer", "Plan"]
 
 _CALLED = ("lora_dropout", "lora_A", "lora_B")  # the ModuleDicts a Linear's forward calls into
+_add_batch_at = lib.lora_add_batch_at
+_cast, _VOIDP, NULL = ffi.cast, ffi.typeof("void *"), ffi.NULL
 
 
 class Kind:
@@ -472,16 +476,29 @@ class Plan:
     number of axes.  Anything else: None, and the full path runs (and may build a new plan).
     The base layer is the module's at each call.  DoRA adapters (on a layer without a bias)
     also hold it while the base weight, the magnitudes, A and B keep their objects, data and
-    version counters (what their statistics were made from)."""
+    version counters (what their statistics were made from).
 
-    __slots__ = ("layer", "active", "names", "mods", "params", "ptrs", "scalings", "table",
-                 "dropout_free", "torch", "codes", "ndim", "hooks", "dora")
+    What cannot change while the plan holds is read once, here: the C call's arguments (the
+    stack's deltas and their scales: the views' scales are set only by the full path, which
+    drops the plan first), its shape, the dtype codes.  At each call only x and the base
+    layer's fresh result are checked (plain contiguous CPU tensors of the stack's shapes,
+    without the neg bit, an out that does not require grad), then one C call: one adapter
+    (the common case) through ``lora_add_batch_at`` on the data pointers, bit for bit the
+    stack's call (one entry of one delta, its scale rounded once to float32), several through
+    the stack's call.  Anything else, or a status other than 0, goes to the entry table's
+    checked path, which raises the precise error."""
+
+    __slots__ = ("layer", "module", "active", "names", "mods", "params", "ptrs", "scalings",
+                 "table", "dropout_free", "torch", "tensor", "grad_enabled", "bump", "codes",
+                 "ndim", "hooks", "dora", "rows", "cols", "single", "args")
 
     def __init__(self, layer, names, ndim):
         m = layer.module
-        self.layer = layer
-        self.torch = layer.acc._torch
-        self.codes = dtypes.torch_codes()
+        self.layer, self.module = layer, m
+        torch = self.torch = layer.acc._torch
+        self.tensor, self.grad_enabled = torch.Tensor, torch.is_grad_enabled
+        self.codes = arrays.TORCH_CODES or arrays.torch_init()
+        self.bump = arrays.version_bump()
         self.active = m.__dict__.get("_active_adapter")
         self.names = tuple(names)
         lora_a, lora_b = m._modules["lora_A"]._modules, m._modules["lora_B"]._modules
@@ -492,7 +509,7 @@ class Plan:
         self.ptrs = tuple((pa.data_ptr(), pb.data_ptr()) for pa, pb in self.params)
         self.scalings = tuple(m.scaling[a] for a in names)
         views = [layer._served(a) for a in names]
-        self.table = layer.table(views, True)
+        table = self.table = layer.table(views, True)
         # DoRA: (name, magnitude module, the tensors with their data pointers and versions)
         weight = m._modules["base_layer"]._parameters.get("weight")
         watch = []
@@ -505,18 +522,26 @@ class Plan:
         self.dropout_free = all(getattr(drops[a], "p", 0) == 0 for a in names)
         self.ndim = ndim
         self.hooks = layer.acc._module_globals
+        self.rows, self.cols = table.base_shape
+        self.single = None  # (lora_delta *, float scale) for the one-adapter call
+        self.args = None    # the stack call's fixed arguments (n_kernel, first, ptrs, scales)
+        if not self.dora:
+            scales = table.scales()
+            if table.n_kernel == 1 and len(table.members) == 1:
+                self.single = (table.members[0].ptr, scales[0])
+            self.args = (table.n_kernel, table.first, table.ptrs, scales)
 
     def run(self, x):
-        m = self.layer.module
+        m = self.module
         d = m.__dict__
         if (d.get("_active_adapter") is not self.active or d.get("_disable_adapters")
-                or d.get("merged_adapters") or (m.training and not self.dropout_free)):
+                or d.get("merged_adapters") or (d.get("training") and not self.dropout_free)):
             return None
-        torch = self.torch
-        if type(x) is not torch.Tensor or not x.is_cpu or x.dim() != self.ndim:
+        tensor = self.tensor
+        if type(x) is not tensor or not x.is_cpu or x.dim() != self.ndim:
             return None
         base = m._modules["base_layer"]
-        if torch.is_grad_enabled() and (x.requires_grad or any(
+        if self.grad_enabled() and (x.requires_grad or any(
                 pa.requires_grad or pb.requires_grad for pa, pb in self.params) or any(
                 p.requires_grad for p in base.parameters())):
             return None
@@ -544,10 +569,47 @@ class Plan:
                         or mag._forward_hooks or mag._forward_pre_hooks
                         or any((t.data_ptr(), t._version) != v for t, v in zip(ts, seen))):
                     return None
-                if torch.is_grad_enabled() and ts[1].requires_grad:
+                if self.grad_enabled() and ts[1].requires_grad:
                     return None
         result = base(x)
-        if result.dtype not in self.codes:
+        codes = self.codes
+        oc = codes.get(result.dtype)
+        if oc is None:
             return None
-        self.table.apply_batch(x, result)
+        args = self.args
+        if args is not None and type(result) is tensor:
+            # the fast tail: x and result as plain contiguous CPU tensors of the stack's shapes
+            xc = codes.get(x.dtype)
+            xs, os_ = x.shape, result.shape
+            cols, rows = self.cols, self.rows
+            nd = self.ndim
+            if nd == 3:
+                lead = len(os_) == 3 and xs[0] == os_[0] and xs[1] == os_[1]
+                n = xs[0] * xs[1]
+            elif nd == 2:
+                lead = len(os_) == 2 and xs[0] == os_[0]
+                n = xs[0]
+            else:
+                lead = len(os_) == nd and xs[:-1] == os_[:-1]
+                n = x.numel() // cols if cols else 0
+            if (xc is not None and lead and xs[-1] == cols and os_[-1] == rows and cols > 1
+                    and rows > 1 and result.is_cpu and not result.requires_grad
+                    and x.is_contiguous() and result.is_contiguous() and not x.is_neg()
+                    and not result.is_neg()):
+                if not n:
+                    return result
+                if self.grad_enabled():
+                    self.bump((result,))
+                single = self.single
+                if single is not None:
+                    status = _add_batch_at(single[0], single[1], n, x.data_ptr(), xc, cols,
+                                           result.data_ptr(), oc, rows)
+                else:
+                    status = self.table._c_batch(
+                        args[0], args[1], args[2], args[3], NULL, NULL, 1, rows, cols, n,
+                        _cast(_VOIDP, x.data_ptr()), xc, cols, _cast(_VOIDP, result.data_ptr()),
+                        oc, rows, NULL)
+                if status == 0:
+                    return result
+        self.table.apply_batch(x, result)  # the checked path: anything else, or a refusal
         return result

@@ -67,6 +67,13 @@ def torch_init():
     return TORCH_CODES
 
 
+def version_bump():
+    """torch's version bump of `note_write` (a callable taking a tuple of tensors)."""
+    if _BUMP is None:
+        torch_init()
+    return _BUMP
+
+
 def torch_code(t):
     """The dtype code of tensor `t`'s dtype, or None."""
     return (TORCH_CODES or torch_init()).get(t.dtype)

@@ -24,21 +24,21 @@ import weakref
 __all__ = ["accelerate_peft", "PeftAcceleration"]
 
 _ACCELERATED = weakref.WeakKeyDictionary()  # model -> its PeftAcceleration while active
-_LAYERS = weakref.WeakKeyDictionary()  # PEFT layer module -> its ServedLayer while accelerated
 
 
 class _Forward:
-    """A PEFT layer's `forward` while it is accelerated: its served layer when it has one,
-    else PEFT's forward.  A copy of the model (``copy.deepcopy``, pickling, ``torch.save``) gets
+    """A PEFT layer's `forward` while it is accelerated: its served layer while it has one
+    (``layer``, None once unpatched: a wrapper someone put around it may still call it), else
+    PEFT's forward.  A copy of the model (``copy.deepcopy``, pickling, ``torch.save``) gets
     PEFT's own forward back: the acceleration belongs to the model it was made for."""
 
-    __slots__ = ("module",)
+    __slots__ = ("module", "layer")
 
-    def __init__(self, module):
-        self.module = module
+    def __init__(self, module, layer):
+        self.module, self.layer = module, layer
 
     def __call__(self, *args, **kwargs):
-        layer = _LAYERS.get(self.module)
+        layer = self.layer  # a slot, not a weak-keyed lookup: this runs at every layer call
         if layer is None:
             return type(self.module).forward(self.module, *args, **kwargs)
         return layer.forward(*args, **kwargs)
@@ -281,14 +281,14 @@ class ServedLayer:
     modules it answers for, left out of the status) and ``extra_bytes()`` (memory it holds
     beyond PEFT's tensors)."""
 
-    __slots__ = ("acc", "name", "module", "had_instance_forward", "original", "__weakref__")
+    __slots__ = ("acc", "name", "module", "had_instance_forward", "original", "patch",
+                 "__weakref__")
 
     def __init__(self, acc, name, module):
         self.acc, self.name, self.module = acc, name, module
         self.had_instance_forward = "forward" in module.__dict__
         self.original = module.forward
-        _LAYERS[module] = self
-        module.forward = _Forward(module)
+        self.patch = module.forward = _Forward(module, self)
 
     def covers(self):
         return ()
@@ -297,7 +297,7 @@ class ServedLayer:
         return 0
 
     def unpatch(self):
-        _LAYERS.pop(self.module, None)
+        self.patch.layer = None  # a wrapper holding the patch now gets PEFT's forward
         if self.had_instance_forward:
             self.module.forward = self.original
         else:
