@@ -491,3 +491,97 @@ def test_a_trainable_base_embedding_falls_back_under_autograd():
     with torch.no_grad(), lora.accelerate_peft(model) as acc:
         logits(model, x)
         assert "base_model.model.model.embed_tokens" in acc.accelerated
+
+
+class _OddBase(torch.nn.Module):
+    """A base layer whose output is not what the short path takes: `kind` "strided" (a
+    row-strided view: rows of a wider tensor) or "bf16"."""
+
+    def __init__(self, inner, kind):
+        super().__init__()
+        self.inner, self.kind = inner, kind
+
+    def forward(self, x):
+        y = self.inner(x)
+        if self.kind == "strided":
+            return torch.cat([y, y], dim=-1)[..., :y.shape[-1]]
+        return y.to(torch.bfloat16)
+
+
+def test_the_short_path_checks_x_and_the_base_result_at_every_call():
+    """The short path binds its C call once (deltas, scales, shape, codes) and checks only x and
+    the base layer's fresh result: each call's bits are the full path's (the first call) for
+    the same x, and an x or result it cannot take goes to the checked path, correctly."""
+    model = peft_model(seed=15)
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    q = q_proj(model)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 5, 64, generator=g)
+    odd = [x.transpose(0, 1).contiguous().transpose(0, 1),  # not contiguous
+           torch._neg_view(-x),                                # the neg bit
+           x[:, :0]]                                           # no positions
+    for active in ("a", ["a", "b"]):  # one adapter (the pointer call) and a stack of two
+        model.base_model.set_adapter(active)
+        with torch.no_grad():
+            ref = q(x)
+            ref_odd = [q(v) for v in odd]
+            with lora.accelerate_peft(model) as acc:
+                first = q(x)
+                assert acc._layers[id(q)].plan is not None
+                again = q(x)
+                assert torch.equal(first, again), "the short path's bits are the full path's"
+                close(again, ref, f"{active}")
+                for v, r in zip(odd, ref_odd):
+                    got = q(v)
+                    assert got.shape == r.shape
+                    if r.numel():
+                        close(got, r, f"{active}: x {tuple(v.shape)} strides {v.stride()}")
+                assert torch.equal(q(x), first)
+                for kind in ("strided", "bf16"):
+                    inner = q.base_layer
+                    q.base_layer = _OddBase(inner, kind)
+                    try:
+                        got = q(x)
+                    finally:
+                        q.base_layer = inner
+                    if kind == "bf16":
+                        assert got.dtype == torch.bfloat16
+                        assert (got.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+                    else:
+                        assert not got.is_contiguous()
+                        close(got, ref, f"{active}: a {kind} base result")
+                assert name in acc.accelerated
+
+
+def test_the_short_path_bumps_the_version_counter_under_grad_mode():
+    """Grad mode on with every weight frozen: the kernels serve the call and tell autograd that
+    the base result was written in place (its version counter), as torch's own add_ would."""
+    model = peft_model(seed=16)
+    model.base_model.set_adapter("a")
+    model.requires_grad_(False)  # after set_adapter, which makes the active adapter trainable
+    q = q_proj(model)
+    x = torch.randn(3, 64)
+    with lora.accelerate_peft(model) as acc:
+        for _ in range(3):  # the full path, then the short one
+            out = q(x)
+            assert out._version == 1
+        assert acc._layers[id(q)].plan is not None
+        assert "base_model.model.model.layers.0.self_attn.q_proj" in acc.accelerated
+
+
+def test_a_forward_kept_by_a_wrapper_gives_peft_back_after_restore():
+    """Something that wrapped the patched forward (and so keeps it) calls PEFT's own forward once
+    the acceleration is restored, and no longer holds the served layer."""
+    model = peft_model(seed=17)
+    model.base_model.set_adapter("a")
+    q = q_proj(model)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        ref = q(x)
+        acc = lora.accelerate_peft(model)
+        kept = q.forward
+        q(x)
+        assert kept.layer is not None
+        acc.restore()
+        assert kept.layer is None
+        assert torch.equal(kept(x), ref)
