@@ -34,6 +34,18 @@ _add_batch_at = lib.lora_add_batch_at
 _cast, _VOIDP, NULL = ffi.cast, ffi.typeof("void *"), ffi.NULL
 
 
+def _writable(result):
+    """The base layer's result as the kernels can write it in place: as it is, or, for a lazily
+    negated view (its memory holds the negated values) or a layout the kernels do not write
+    (a last axis that is not contiguous, leading axes that do not collapse into rows), a fresh
+    contiguous copy, which the layer then returns (PEFT's ``result + lora`` is a new tensor
+    too)."""
+    if result.dim() and (result.is_neg()
+                         or arrays.out_layout(tuple(result.shape), result.stride()) is None):
+        return result.resolve_neg().contiguous()
+    return result
+
+
 class Kind:
     """PEFT's plain LoRA ``Linear`` and ``Embedding`` layers (aLoRA included), for one
     `PeftAcceleration`: the PEFT types, which modules it serves, and why one cannot be served."""
@@ -307,12 +319,12 @@ class Layer(ServedLayer):
                 m.unmerge()
             result = m.base_layer(x, *args, **kwargs)
         elif adapter_names is not None:
-            result = m.base_layer(x, *args, **kwargs)
+            result = _writable(m.base_layer(x, *args, **kwargs))
             result_dtype_ok = self._mixed(x, result, adapter_names, names, alora_offsets)
         elif m.merged:
             result = m.base_layer(x, *args, **kwargs)
         else:
-            result = m.base_layer(x, *args, **kwargs)
+            result = _writable(m.base_layer(x, *args, **kwargs))
             if names:
                 result_dtype_ok = self._active(x, result, names, alora_offsets)
                 if (result_dtype_ok and self.linear and not args and not kwargs and x.dim() > 1
@@ -611,5 +623,6 @@ class Plan:
                         oc, rows, NULL)
                 if status == 0:
                     return result
+        result = _writable(result)
         self.table.apply_batch(x, result)  # the checked path: anything else, or a refusal
         return result

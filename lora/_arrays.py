@@ -118,7 +118,7 @@ def collapse(shape, strides):
     return n, (ld if ld is not None else shape[-1])
 
 
-def _layout(shape, strides):
+def out_layout(shape, strides):
     """(n, ld) when the last axis is contiguous and the leading axes collapse into rows that do
     not overlap; else None."""
     last = shape[-1]
@@ -239,7 +239,7 @@ def check_out(out, shape, what="out", shown=None, *, batched=False):
             return ffi.cast(_VOIDP, ptr), code, 1, shape[0]
         raise ValueError(f"{what} must be C-contiguous; got strides "
                          f"{out.strides if not tensor else strides}")
-    layout = _layout(shape, strides)
+    layout = out_layout(shape, strides)
     if layout is None:
         shown_strides = out.strides if not tensor else strides
         unit = "bytes" if not tensor else "elements"
@@ -316,7 +316,7 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
         code = torch_code(x) if not x.is_neg() else None  # a lazily negated view: resolved
         if code is not None:
             strides = tuple(x.stride())
-            layout = _layout(shape, strides) if batched else (
+            layout = out_layout(shape, strides) if batched else (
                 (1, shape[0]) if shape[0] <= 1 or strides[0] == 1 else None)
             if layout is not None and x.data_ptr() % x.element_size() == 0:
                 return x, ffi.cast(_VOIDP, x.data_ptr()), code, layout[1]
@@ -334,7 +334,7 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
     if code is not None and xa.flags.aligned:
         strides = _np_strides(xa)
         if strides is not None:
-            layout = _layout(shape, strides) if batched else (
+            layout = out_layout(shape, strides) if batched else (
                 (1, shape[0]) if shape[0] <= 1 or strides[0] == 1 else None)
             if layout is not None:
                 return xa, ffi.cast(_VOIDP, xa.__array_interface__["data"][0]), code, layout[1]

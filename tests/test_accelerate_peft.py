@@ -505,6 +505,10 @@ class _OddBase(torch.nn.Module):
         y = self.inner(x)
         if self.kind == "strided":
             return torch.cat([y, y], dim=-1)[..., :y.shape[-1]]
+        if self.kind == "neg":  # a lazily negated view of the same values
+            return torch._neg_view(-y)
+        if self.kind == "columns":  # a last axis that is not contiguous
+            return y.transpose(-1, -2).contiguous().transpose(-1, -2)
         return y.to(torch.bfloat16)
 
 
@@ -585,3 +589,25 @@ def test_a_forward_kept_by_a_wrapper_gives_peft_back_after_restore():
         acc.restore()
         assert kept.layer is None
         assert torch.equal(kept(x), ref)
+
+
+@pytest.mark.parametrize("kind", ["neg", "columns"])
+def test_a_base_result_the_kernels_cannot_write_in_place_is_copied_once(kind):
+    """A base layer returning a lazily negated view, or a tensor whose last axis is not
+    contiguous: the layer adds the LoRA term into a contiguous copy (PEFT's result + lora is a
+    new tensor too), on the full path and on the short one, with PEFT's values, and is served."""
+    model = peft_model(seed=17)
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    model.base_model.set_adapter("a")
+    q = q_proj(model)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    inner = q.base_layer
+    q.base_layer = _OddBase(inner, kind)
+    with torch.no_grad():
+        ref = q(x)
+        with lora.accelerate_peft(model) as acc:
+            for _ in range(3):  # the full path, then the short one
+                got = q(x)
+                close(got, ref, kind)
+                assert not got.is_neg() and got.is_contiguous()
+            assert name in acc.accelerated
