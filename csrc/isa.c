@@ -48,7 +48,8 @@ typedef struct {
  * its row waits for that measurement. */
 static const core_row_ CORES_[] = {
     {"GenuineIntel", 6, 106, 106, FLAGS_, "Ice Lake-SP",
-     "docs/performance.md 'One full run': every row on avx512 (no avx2 run recorded to compare)"},
+     "docs/performance.md 'One full run on an Intel Ice Lake-SP': every row on avx512 "
+     "(no avx2 run recorded to compare)"},
     {"AuthenticAMD", 25, 1, 1, FLAGS_, "Zen 3 (Milan)",
      "no AVX-512; docs/performance.md 'ISA paths by CPU': bench.py --isa-compare, "
      "avx2 fastest on 4/4 rows"},
