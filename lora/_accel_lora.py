@@ -34,15 +34,24 @@ _add_batch_at = lib.lora_add_batch_at
 _cast, _VOIDP, NULL = ffi.cast, ffi.typeof("void *"), ffi.NULL
 
 
-def _writable(result):
-    """The base layer's result as the kernels can write it in place: as it is, or, for a lazily
-    negated view (its memory holds the negated values) or a layout the kernels do not write
-    (a last axis that is not contiguous, leading axes that do not collapse into rows), a fresh
-    contiguous copy, which the layer then returns (PEFT's ``result + lora`` is a new tensor
-    too)."""
+def _writable(result, x, base, g):
+    """The base layer's result as the kernels may add into it in place: as it is, or a fresh
+    contiguous copy, which the layer then returns (PEFT's ``result + lora`` is a new tensor too),
+    when it is a lazily negated view (its memory holds the negated values), has a layout the
+    kernels do not write (a last axis that is not contiguous, leading axes that do not collapse
+    into rows), shares memory with x (a base layer returning its input), or when forward hooks
+    on the base layer (or global ones: `g`, torch's module globals) may have kept it: their
+    tensor stays the base layer's output."""
     if result.dim() and (result.is_neg()
-                         or arrays.out_layout(tuple(result.shape), result.stride()) is None):
-        return result.resolve_neg().contiguous()
+                         or arrays.out_layout(tuple(result.shape), result.stride()) is None
+                         or base._forward_hooks or g._global_forward_hooks
+                         or (isinstance(x, type(result)) and x.numel() and result.numel()
+                             and x.untyped_storage().data_ptr()
+                             == result.untyped_storage().data_ptr())):
+        fresh = result.resolve_neg()  # a copy when result has the neg bit, else result itself
+        if fresh is not result:
+            return fresh.contiguous()
+        return result.clone() if result.is_contiguous() else result.contiguous()
     return result
 
 
@@ -319,12 +328,14 @@ class Layer(ServedLayer):
                 m.unmerge()
             result = m.base_layer(x, *args, **kwargs)
         elif adapter_names is not None:
-            result = _writable(m.base_layer(x, *args, **kwargs))
+            result = _writable(m.base_layer(x, *args, **kwargs), x, m.base_layer,
+                               acc._module_globals)
             result_dtype_ok = self._mixed(x, result, adapter_names, names, alora_offsets)
         elif m.merged:
             result = m.base_layer(x, *args, **kwargs)
         else:
-            result = _writable(m.base_layer(x, *args, **kwargs))
+            result = _writable(m.base_layer(x, *args, **kwargs), x, m.base_layer,
+                               acc._module_globals)
             if names:
                 result_dtype_ok = self._active(x, result, names, alora_offsets)
                 if (result_dtype_ok and self.linear and not args and not kwargs and x.dim() > 1
@@ -589,7 +600,7 @@ class Plan:
         if oc is None:
             return None
         args = self.args
-        if args is not None and type(result) is tensor:
+        if args is not None and type(result) is tensor and not base._forward_hooks:
             # the fast tail: x and result as plain contiguous CPU tensors of the stack's shapes
             xc = codes.get(x.dtype)
             xs, os_ = x.shape, result.shape
@@ -623,6 +634,6 @@ class Plan:
                         oc, rows, NULL)
                 if status == 0:
                     return result
-        result = _writable(result)
+        result = _writable(result, x, base, self.hooks)
         self.table.apply_batch(x, result)  # the checked path: anything else, or a refusal
         return result

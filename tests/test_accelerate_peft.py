@@ -611,3 +611,55 @@ def test_a_base_result_the_kernels_cannot_write_in_place_is_copied_once(kind):
                 close(got, ref, kind)
                 assert not got.is_neg() and got.is_contiguous()
             assert name in acc.accelerated
+
+
+def test_a_hook_on_the_base_layer_keeps_the_base_output():
+    """A forward hook on base_layer sees the base layer's output, and that tensor stays the base
+    output after the layer returns (the term goes into a copy, as PEFT's result + lora does), on
+    the full path and on the short one; the layer is still served."""
+    model = peft_model(seed=18)
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    model.base_model.set_adapter("a")
+    q = q_proj(model)
+    seen = []
+    handle = q.base_layer.register_forward_hook(lambda mod, inp, out: seen.append(out))
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(4))
+    try:
+        with torch.no_grad():
+            base = q.base_layer(x).clone()
+            ref = q(x)
+            with lora.accelerate_peft(model) as acc:
+                for _ in range(3):
+                    got = q(x)
+                    close(got, ref, "with a hook on base_layer")
+                    assert torch.equal(seen[-1], base) and seen[-1] is not got
+                assert name in acc.accelerated
+    finally:
+        handle.remove()
+
+
+class _Bypass(torch.nn.Linear):
+    def forward(self, x):
+        return x
+
+
+def test_a_base_layer_returning_its_input():
+    """A base layer that returns x itself (a square bypass): the term goes into a copy, x is left
+    alone, the values are PEFT's."""
+    model = peft_model(seed=19)
+    model.base_model.set_adapter("a")
+    q = q_proj(model)
+    inner = q.base_layer
+    q.base_layer = _Bypass(inner.in_features, inner.out_features)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    keep = x.clone()
+    try:
+        with torch.no_grad():
+            ref = q(x)
+            with lora.accelerate_peft(model) as acc:
+                for _ in range(3):
+                    close(q(x), ref, "bypass")
+                    assert torch.equal(x, keep)
+                assert "base_model.model.model.layers.0.self_attn.q_proj" in acc.accelerated
+    finally:
+        q.base_layer = inner
