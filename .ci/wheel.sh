@@ -72,7 +72,8 @@ done
 # pip's own settings (index, find-links, constraints) come from its config files, not the env
 "${noc[@]}" "$VPY" -m pip install -q --disable-pip-version-check --only-binary=:all: \
     "$fixed" pytest hypothesis threadpoolctl 2>&1 | grep -v "^WARNING: Location" || true
-"${noc[@]}" "$VPY" -c "import lora" || fail "the repaired wheel did not install"
+# from $WORK, not the checkout: a checkout's lora/ (with an in-place build) would shadow the wheel
+(cd "$WORK" && "${noc[@]}" "$VPY" -c "import lora") || fail "the repaired wheel did not install"
 
 mkdir -p "$WORK/t"
 cp -r "$ROOT/tests" "$WORK/t/"
