@@ -160,10 +160,9 @@ int lora_get_num_threads(void) {
  * that each core reads its share from its own L2 (hot) or keeps two streams
  * in flight (cold).  On an AMD EPYC Zen 3 VM (512 KiB L2 a core, 2 vCPUs) a
  * 4096 x 4096 rank-16 float32 decode (544 KiB with x and out, 2^17
- * multiply-adds) took
- * 0.78x of one thread's time on two, 11008 x 4096 rank 16 0.70x, and a sweep
- * over adapters past the L3 read 15.2 GB/s on two threads against 11.0 on
- * one; at 256 KiB (rank 8, or rank 16 in bfloat16), which fits one core's L2,
+ * multiply-adds) took 0.78x of one thread's time on two, 11008 x 4096 rank
+ * 16 0.70x, and a sweep over adapters past the L3 read 15.2 GB/s on two
+ * threads against 11.0 on one; at 256 KiB (rank 8, or rank 16 in bfloat16), which fits one core's L2,
  * two threads were 1.17x slower hot and 1.2x slower cold, so those stay on
  * one (medians of 7 interleaved windows).  On Intel's 1.25-2 MiB L2s the
  * same decode fits one core's L2 and keeps the plain floor (a float32 call

@@ -512,13 +512,13 @@ class Plan:
     checked path, which raises the precise error."""
 
     __slots__ = ("layer", "module", "active", "names", "mods", "params", "ptrs", "scalings",
-                 "table", "dropout_free", "torch", "tensor", "grad_enabled", "bump", "codes",
+                 "table", "dropout_free", "tensor", "grad_enabled", "bump", "codes",
                  "ndim", "hooks", "dora", "rows", "cols", "single", "args")
 
     def __init__(self, layer, names, ndim):
         m = layer.module
         self.layer, self.module = layer, m
-        torch = self.torch = layer.acc._torch
+        torch = layer.acc._torch
         self.tensor, self.grad_enabled = torch.Tensor, torch.is_grad_enabled
         self.codes = arrays.TORCH_CODES or arrays.torch_init()
         self.bump = arrays.version_bump()
