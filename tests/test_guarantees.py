@@ -359,18 +359,21 @@ def _row(vendor, family, model, flags):
 
 
 def test_cpu_table_rows_name_measured_cores_and_keep_the_flags_rule():
-    """The two measured cores are named; neither overrides the flags rule (both were measured on
-    the widest path only, or have no wider one).  A row's evidence points at its measurement."""
+    """The measured cores are named; none overrides the flags rule (each measured fastest on the
+    widest path its flags allow).  A row's evidence points at its measurement."""
     for flags in ("scalar", "avx2", "avx512"):
         isa, name, evidence = _row("GenuineIntel", 6, 106, flags)
         assert (isa, name) == (flags, "Ice Lake-SP") and "docs/performance.md" in evidence
         isa, name, evidence = _row("AuthenticAMD", 25, 1, flags)
         assert (isa, name) == (flags, "Zen 3 (Milan)") and "--isa-compare" in evidence
+        isa, name, evidence = _row("AuthenticAMD", 25, 0x11, flags)
+        assert (isa, name) == (flags, "Zen 4 (Genoa)") and "--isa-compare" in evidence
 
 
 @pytest.mark.parametrize("cpu_id", [
-    ("AuthenticAMD", 25, 0x11),   # Zen 4 (Genoa): AVX-512 on 256-bit units, not measured yet
-    ("AuthenticAMD", 25, 0x61),   # Zen 4 (Raphael)
+    ("AuthenticAMD", 25, 0x61),   # Zen 4 (Raphael): only Genoa (0x11) was measured
+    ("AuthenticAMD", 25, 0x10),   # the Zen 4 models either side of the measured one
+    ("AuthenticAMD", 25, 0x12),
     ("GenuineIntel", 6, 143),     # Sapphire Rapids: no machine line recorded
     ("GenuineIntel", 25, 1),      # Zen 3's family and model under another vendor
     ("AuthenticAMD", 6, 106),     # Ice Lake's under another vendor
