@@ -522,6 +522,12 @@ _FORK_SCRIPT = textwrap.dedent(r"""
 def test_fork_after_openmp_work_child_finishes(mode, tmp_path):
     if not lora.kernel_info()["openmp"]:
         pytest.skip("built without OpenMP: nothing to stress")
+    if mode == "during" and os.environ.get("LORA_UNDER_ASAN") == "1":
+        # GCC 12's ASan allocator takes no lock around fork(): a child forked while another
+        # thread is inside malloc inherits that size class's mutex held, and hangs at its first
+        # allocation of that class (seen: in numpy's calloc, 2 runs in 12).  glibc's malloc,
+        # which every other stage runs this test with, resets its locks in the child.
+        pytest.skip("ASan's allocator is not fork-safe while another thread allocates")
     script = tmp_path / "fork_stress.py"
     script.write_text(_FORK_SCRIPT)
     timeout = 20.0
