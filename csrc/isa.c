@@ -28,13 +28,17 @@
 
 /* One CPU model whose path was measured.  `isa` is the path to run there,
  * or FLAGS_ where the flags rule is what the measurement supports (the row
- * then only names the core).  `evidence` points at the benchmark rows that
- * measured it; a row without a measurement does not belong here. */
+ * then only names the core).  `team_floor_log2`, where not 0, replaces
+ * team.c's default work floor for a team on that core, as measured there
+ * (one and two threads, interleaved; the thread count never changes the
+ * bits).  `evidence` points at the benchmark rows that measured it; a row
+ * without a measurement does not belong here. */
 typedef struct {
     const char *vendor;       /* cpuid leaf 0: "GenuineIntel", "AuthenticAMD" */
     int family;               /* base family + extended family */
     int model_lo, model_hi;   /* (extended model << 4) + model, inclusive */
     int isa;                  /* LORA_ISA_* or FLAGS_ */
+    int team_floor_log2;      /* the measured team floor (team.c), 0: the default one */
     const char *name;
     const char *evidence;
 } core_row_;
@@ -48,15 +52,16 @@ typedef struct {
  * still measured fastest on avx512; its other models (Raphael 0x61, Bergamo
  * 0xa0, ...) keep the flags rule without a row until someone measures them. */
 static const core_row_ CORES_[] = {
-    {"GenuineIntel", 6, 106, 106, FLAGS_, "Ice Lake-SP",
+    {"GenuineIntel", 6, 106, 106, FLAGS_, 0, "Ice Lake-SP",
      "docs/performance.md 'One full run on an Intel Ice Lake-SP': every row on avx512 "
      "(no avx2 run recorded to compare)"},
-    {"AuthenticAMD", 25, 1, 1, FLAGS_, "Zen 3 (Milan)",
+    {"AuthenticAMD", 25, 1, 1, FLAGS_, 0, "Zen 3 (Milan)",
      "no AVX-512; docs/performance.md 'ISA paths by CPU': bench.py --isa-compare, "
      "avx2 fastest on 4/4 rows"},
-    {"AuthenticAMD", 25, 17, 17, FLAGS_, "Zen 4 (Genoa)",
+    {"AuthenticAMD", 25, 17, 17, FLAGS_, 17, "Zen 4 (Genoa)",
      "AVX-512 on 256-bit units; docs/performance.md 'ISA paths by CPU': bench.py --isa-compare, "
-     "avx512 fastest on 4/4 rows, avx2 1.27x its time"},
+     "avx512 fastest on 4/4 rows, avx2 1.27x its time; bench.py --team-compare: a team from "
+     "2^17 multiply-adds, two threads 0.63-0.85x one thread's time there, 0.94-1.04x at 2^16"},
 };
 #define N_CORES_ ((int)(sizeof CORES_ / sizeof CORES_[0]))
 
@@ -101,6 +106,14 @@ int lora_isa_for_cpu(const char *vendor, int family, int model, int flags_best,
     if (row && row->isa != FLAGS_ && x86 && row->isa >= LORA_ISA_SCALAR && row->isa <= flags_best)
         return row->isa;
     return flags_best;
+}
+
+int64_t lora_team_floor_for_cpu(const char *vendor, int family, int model) {
+    for (int i = 0; vendor && i < N_CORES_; i++)
+        if (!strcmp(vendor, CORES_[i].vendor) && family == CORES_[i].family &&
+            model >= CORES_[i].model_lo && model <= CORES_[i].model_hi)
+            return CORES_[i].team_floor_log2 > 0 ? (int64_t)1 << CORES_[i].team_floor_log2 : 0;
+    return 0;
 }
 
 int lora_isa_supported(int isa) {

@@ -88,7 +88,10 @@ int lora_fork_releases_pool(void);      /* 1 when fork() releases the OpenMP poo
  * lora_team_l2_bytes(), 0 when unknown; 0 bytes: not counted) and while no
  * back-off is running; every team call reports its wall time and its threads'
  * summed compute time */
-int64_t lora_team_min_work(void);
+int64_t lora_team_min_work(void);         /* the CPU table's floor for this core, or the default */
+int64_t lora_team_default_min_work(void); /* the floor on a core without a measured one */
+int64_t lora_team_floor_for_cpu(const char *vendor, int family, int model); /* 0: none */
+void lora_team_set_min_work(int64_t floor); /* measurements and tests; <= 0: this core's again */
 int64_t lora_team_min_work_past_l2(void);
 int64_t lora_team_l2_bytes(void);
 int lora_call_threads(int64_t work, int64_t bytes); /* threads such a call would use now */

@@ -199,7 +199,28 @@ double lora_now(void) {
 #endif
 }
 
-int64_t lora_team_min_work(void) { return LORA_PAR_MIN_WORK; }
+/* The floor in use: the CPU table's for this core where its row measured
+ * one (isa.c; `bench.py --team-compare`: on AMD Zen 4 Genoa, whose 1 MiB L2
+ * holds a 4096 x 4096 rank-16 float32 decode, two threads read their halves
+ * from two L2s and took 0.80x one thread's time at 2^17, where a 2-vCPU
+ * Intel VM's took 1.07x), else LORA_PAR_MIN_WORK.  Looked up once;
+ * lora_team_set_min_work replaces it (measurements, tests). */
+static int64_t g_min_work = -1;
+
+int64_t lora_team_min_work(void) {
+    int64_t floor = LOAD_(g_min_work);
+    if (floor < 0) {
+        char vendor[13];
+        int family, model, stepping;
+        lora_cpu_id(vendor, &family, &model, &stepping);
+        floor = lora_team_floor_for_cpu(vendor, family, model);
+        if (floor <= 0) floor = LORA_PAR_MIN_WORK;
+        STORE_(g_min_work, floor);
+    }
+    return floor;
+}
+int64_t lora_team_default_min_work(void) { return LORA_PAR_MIN_WORK; }
+void lora_team_set_min_work(int64_t floor) { STORE_(g_min_work, floor > 0 ? floor : -1); }
 int64_t lora_team_min_work_past_l2(void) { return LORA_PAR_MIN_WORK_PAST_L2; }
 
 /* One core's L2 data (or unified) cache in bytes, read once from Linux's sysfs
@@ -249,7 +270,7 @@ int64_t lora_team_l2_bytes(void) {
 }
 
 int lora_call_threads(int64_t work, int64_t bytes) {
-    if (work < LORA_PAR_MIN_WORK) {
+    if (work < lora_team_min_work()) {
         if (work < LORA_PAR_MIN_WORK_PAST_L2 || bytes <= 0) return 1;
         const int64_t l2 = lora_team_l2_bytes();
         if (l2 <= 0 || bytes <= l2) return 1;

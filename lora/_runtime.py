@@ -156,7 +156,7 @@ def thread_policy():
     """One line saying how calls choose their threads right now (``kernel_info()["thread_policy"]``).
 
     A call opens a team only from ``lib.lora_team_min_work()`` multiply-adds per team
-    synchronisation (from ``lib.lora_team_min_work_past_l2()`` when the bytes it reads, the
+    synchronisation (2^18, or the floor the CPU table measured for this core; from ``lib.lora_team_min_work_past_l2()`` when the bytes it reads, the
     adapter factors with x and out, exceed one core's L2 cache, ``lib.lora_team_l2_bytes()``:
     then each core reads its share from its own L2, or keeps a stream from memory in flight),
     and only while team calls beat one thread; after two in a row that did not (other work
@@ -173,9 +173,14 @@ def thread_policy():
     past = lib.lora_team_min_work_past_l2()
     text = (f"adaptive: up to {n} threads for calls of at least 2^{floor.bit_length() - 1} "
             f"multiply-adds per team synchronisation")
+    notes = []
+    if floor != lib.lora_team_default_min_work():
+        notes.append(f"the CPU table's floor for {_cpu_row()[0]['name']}")
     if l2 > 0:
-        text += (f" (2^{past.bit_length() - 1} when the bytes it reads exceed one core's "
-                 f"{_size(l2)} L2)")
+        notes.append(f"2^{past.bit_length() - 1} when the bytes it reads exceed one core's "
+                     f"{_size(l2)} L2")
+    if notes:
+        text += f" ({'; '.join(notes)})"
     text += (", one thread for 10 ms-2 s after two team calls in a row that were not faster "
              "than one thread")
     wait = os.environ.get("OMP_WAIT_POLICY", "").strip()

@@ -76,13 +76,13 @@ def test_isa_compare_suggests_the_narrower_path_where_it_wins():
     text = "\n".join(lines)
     assert "scalar/avx512" in text and "avx2/avx512" in text and "0.80x" in text
     row = lines[-1].strip()
-    assert row.startswith('{"AuthenticAMD", 25, 17, 17, LORA_ISA_AVX2, "<core name>", "bench.py --isa-compare 2026-01-01: '
+    assert row.startswith('{"AuthenticAMD", 25, 17, 17, LORA_ISA_AVX2, 0, "<core name>", "bench.py --isa-compare 2026-01-01: '
                           'avx2 fastest on 4/4 rows, scalar 8.00x its time, avx512 1.25x its time')
     assert row.endswith("},") and "noisy" not in text
     # the widest path winning keeps the flags rule; a busy machine marks the suggestion noisy
     lines = isacompare.report_lines("CPU: test", kinfo, _isa_results({"scalar": 8e-5, "avx2": 1.5e-5, "avx512": 1e-5},
                                                                      busy=0.5), isas, "2026-01-01", "0.50 CPUs")
-    assert ", FLAGS_, " in lines[-1] and "noisy" in lines[-1] and "(noisy):" in lines[-2]
+    assert ", FLAGS_, 0, " in lines[-1] and "noisy" in lines[-1] and "(noisy):" in lines[-2]
     assert "! others 0.50 CPU" in "\n".join(lines)
 
 
@@ -94,3 +94,37 @@ def test_isa_compare_without_cpuid_suggests_no_row():
     lines = isacompare.report_lines("CPU: test", kinfo, _isa_results({"scalar": 4e-5, "neon": 1e-5}),
                                     ["scalar", "neon"], "2026-01-01", "-")
     assert "scalar/neon" in "\n".join(lines) and "no CPU table on this architecture" in lines[-1]
+
+
+def test_team_compare_suggests_the_lowest_floor_every_row_above_pays():
+    from lorabench import teamcompare
+
+    zen4 = [(1 << 16, 1.04), (1 << 17, 0.80), (1 << 17, 0.85), (1 << 17, 0.68)]
+    assert teamcompare.suggest(zen4) == 17
+    assert teamcompare.suggest([(1 << 16, 0.85), (1 << 17, 0.7)]) == 16
+    # one losing row at 2^17 keeps the default; so do rows that never pay
+    assert teamcompare.suggest([(1 << 16, 1.2), (1 << 17, 0.8), (1 << 17, 0.95)]) == 0
+    assert teamcompare.suggest([(1 << 17, 1.1)]) == 0 and teamcompare.suggest([]) == 0
+    assert teamcompare.nbytes(4096, 4096, 16, "float32") == (544 << 10)
+
+
+def test_team_compare_runs_and_restores_the_floor(capsys):
+    """A short --team-compare: a row per L2-sized decode, the suggestion line, and this core's
+    own floor and thread count back afterwards."""
+    import argparse
+
+    import lora
+    from lora._lora_cffi import lib
+    from lorabench import teamcompare
+
+    floor, threads = lib.lora_team_min_work(), lora.get_num_threads()
+    args = argparse.Namespace(min_sample_ms=0.05, samples=1, rounds=1, settle_ms=0,
+                              wait_quiet=None, no_progress=True)
+    assert teamcompare.run(args) == 0
+    text = capsys.readouterr().out
+    if lora.kernel_info()["openmp"] and threads > 1:
+        assert "decode 4096x4096 r16 float32" in text or lib.lora_team_l2_bytes() < 544 << 10
+        assert "suggested team_floor_log2 for this core's csrc/isa.c row: " in text
+    else:
+        assert "nothing to compare" in text
+    assert lib.lora_team_min_work() == floor and lora.get_num_threads() == threads

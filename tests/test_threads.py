@@ -266,6 +266,37 @@ def test_team_only_from_the_work_floor(fresh_policy):
         assert lib.lora_call_threads(1 << 40, 1 << 40) == 1
 
 
+def test_the_cpu_table_sets_a_cores_measured_floor():
+    """Only a CPU table row with a measured floor replaces the default (Zen 4 Genoa: 2^17);
+    this process runs its own core's floor, and thread_policy names the row that set it."""
+    default = lib.lora_team_default_min_work()
+    assert default == 1 << 18
+    assert lib.lora_team_floor_for_cpu(b"AuthenticAMD", 25, 0x11) == 1 << 17
+    for cpu in ((b"AuthenticAMD", 25, 1), (b"GenuineIntel", 6, 106), (b"AuthenticAMD", 25, 0x61),
+                (b"GenuineIntel", 25, 0x11), (b"", -1, -1)):
+        assert lib.lora_team_floor_for_cpu(*cpu) == 0, cpu
+    cpu = lora.kernel_info()["cpu"]
+    mine = lib.lora_team_floor_for_cpu((cpu["vendor"] or "").encode(), cpu["family"] or -1,
+                                       cpu["model"] or -1)
+    assert lib.lora_team_min_work() == (mine or default)
+    assert lib.lora_team_min_work_past_l2() < lib.lora_team_min_work()
+    if lora.kernel_info()["openmp"] and lora.get_num_threads() > 1:
+        named = "the CPU table's floor for" in lora.kernel_info()["thread_policy"]
+        assert named == bool(mine)
+
+
+def test_a_set_floor_decides_until_it_is_cleared(fresh_policy):
+    mine = lib.lora_team_min_work()
+    try:
+        lib.lora_team_set_min_work(1 << 14)
+        assert lib.lora_team_min_work() == 1 << 14
+        assert lib.lora_call_threads((1 << 14) - 1, 0) == 1
+        assert lib.lora_call_threads(1 << 14, 0) == lora.get_num_threads()
+    finally:
+        lib.lora_team_set_min_work(0)
+    assert lib.lora_team_min_work() == mine
+
+
 def test_calls_past_one_cores_l2_open_a_team_from_the_lower_floor(fresh_policy):
     """Calls reading more than one core's L2 open a team from the lower floor (each core then
     reads its share from its own L2); calls that fit keep the plain floor; an unknown L2 (0)

@@ -12,7 +12,7 @@ import traceback
 
 import numpy as np
 
-from . import isacompare, machine, peftmodel, report, targets, workloads
+from . import isacompare, machine, peftmodel, report, targets, teamcompare, workloads
 from .workloads import dorapeft, moepeft
 from .timing import TimingConfig
 
@@ -43,6 +43,10 @@ def parse_args(argv, description):
     p.add_argument("--isa-compare", action="store_true",
                    help="time a few rows under every ISA path this CPU runs and print the CPU table "
                    "row (csrc/isa.c) the run suggests; about a minute (lorabench/isacompare.py)")
+    p.add_argument("--team-compare", action="store_true",
+                   help="time decodes that fit one core's L2 on one thread and on two and print "
+                   "the team floor (team_floor_log2 of csrc/isa.c's CPU table) the run suggests; "
+                   "about a minute (lorabench/teamcompare.py)")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
@@ -72,6 +76,8 @@ def main(argv=None, description=None):
     args = parse_args(argv, description)
     if args.isa_compare:
         return isacompare.run(args)
+    if args.team_compare:
+        return teamcompare.run(args)
     quick = args.quick
     cpu = machine.cpu_info()
     threads = args.threads or cpu["usable_cpus"] or 1
