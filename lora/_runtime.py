@@ -168,15 +168,23 @@ def thread_policy():
         return "one thread (built without OpenMP)"
     n = get_num_threads()
     if n == 1:
-        return "one thread (the cap is 1: set_num_threads, OMP_NUM_THREADS or threadpoolctl)"
+        return ("one thread (the cap is 1: set_num_threads, OMP_NUM_THREADS, threadpoolctl, or "
+                "torch.set_num_threads where torch shares the OpenMP runtime)")
     floor, l2 = lib.lora_team_min_work(), lib.lora_team_l2_bytes()
     past = lib.lora_team_min_work_past_l2()
-    text = (f"adaptive: up to {n} threads for calls of at least 2^{floor.bit_length() - 1} "
-            f"multiply-adds per team synchronisation")
+    # a power of two, unless lora_team_set_min_work set another value
+    at = f"2^{floor.bit_length() - 1}" if floor & (floor - 1) == 0 else str(floor)
+    text = (f"adaptive: up to {n} threads for calls of at least {at} multiply-adds per team "
+            "synchronisation")
+    cpu = _cpu_row()[0]
+    table = lib.lora_team_floor_for_cpu((cpu["vendor"] or "").encode(), cpu["family"] or -1,
+                                        cpu["model"] or -1)
     notes = []
-    if floor != lib.lora_team_default_min_work():
-        notes.append(f"the CPU table's floor for {_cpu_row()[0]['name']}")
-    if l2 > 0:
+    if floor == table:
+        notes.append(f"the CPU table's floor for {cpu['name']}")
+    elif floor != lib.lora_team_default_min_work():
+        notes.append("set by lora_team_set_min_work")
+    if l2 > 0 and past < floor:
         notes.append(f"2^{past.bit_length() - 1} when the bytes it reads exceed one core's "
                      f"{_size(l2)} L2")
     if notes:

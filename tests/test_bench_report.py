@@ -118,7 +118,7 @@ def test_team_compare_runs_and_restores_the_floor(capsys):
     from lorabench import teamcompare
 
     floor, threads = lib.lora_team_min_work(), lora.get_num_threads()
-    args = argparse.Namespace(min_sample_ms=0.05, samples=1, rounds=1, settle_ms=0,
+    args = argparse.Namespace(threads=None, min_sample_ms=0.05, samples=1, rounds=1, settle_ms=0,
                               wait_quiet=None, no_progress=True)
     assert teamcompare.run(args) == 0
     text = capsys.readouterr().out

@@ -286,15 +286,27 @@ def test_the_cpu_table_sets_a_cores_measured_floor():
 
 
 def test_a_set_floor_decides_until_it_is_cleared(fresh_policy):
+    """lora_team_set_min_work replaces the floor (thread_policy says so, in its exact value);
+    0 brings back this core's own."""
     mine = lib.lora_team_min_work()
+    two = lora.kernel_info()["openmp"] and lora.get_num_threads() > 1
     try:
         lib.lora_team_set_min_work(1 << 14)
         assert lib.lora_team_min_work() == 1 << 14
         assert lib.lora_call_threads((1 << 14) - 1, 0) == 1
         assert lib.lora_call_threads(1 << 14, 0) == lora.get_num_threads()
+        if two:
+            policy = lora.kernel_info()["thread_policy"]
+            assert "at least 2^14 multiply-adds" in policy and "set by lora_team_set_min_work" in policy
+            assert "when the bytes it reads exceed" not in policy  # 2^16 is no lower floor now
+        lib.lora_team_set_min_work(100000)
+        if two:
+            assert "at least 100000 multiply-adds" in lora.kernel_info()["thread_policy"]
     finally:
         lib.lora_team_set_min_work(0)
     assert lib.lora_team_min_work() == mine
+    if two:
+        assert "set by lora_team_set_min_work" not in lora.kernel_info()["thread_policy"]
 
 
 def test_calls_past_one_cores_l2_open_a_team_from_the_lower_floor(fresh_policy):
