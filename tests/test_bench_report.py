@@ -124,7 +124,8 @@ def test_team_compare_runs_and_restores_the_floor(capsys):
     text = capsys.readouterr().out
     if lora.kernel_info()["openmp"] and threads > 1:
         assert "decode 4096x4096 r16 float32" in text or lib.lora_team_l2_bytes() < 544 << 10
-        assert "suggested team_floor_log2 for this core's csrc/isa.c row: " in text
+        assert "suggested team_floor_log2 for this core's csrc/isa.c row (the rows above): " in text
+        assert "cold sweep float32" in text and "cold sweep bfloat16" in text
     else:
         assert "nothing to compare" in text
     assert lib.lora_team_min_work() == floor and lora.get_num_threads() == threads

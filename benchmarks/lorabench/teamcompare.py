@@ -9,10 +9,14 @@ the two, so that a drift in the machine's load falls on both.  The thread count 
 report: per row its multiply-adds, bytes, both medians and two threads' median over one
 thread's, and the floor the run suggests: the lowest power of two from which every row of at
 least that work ran at most ``PAYOFF`` of one thread's time on two (the team policy's own
-pay-off line), ``0`` (the default floor, 2^18) where that is the default or higher.
+pay-off line), ``0`` (the default floor, 2^18) where that is the default or higher.  Then a cold
+sweep (``cold_sweep``): a model's decode step past the last-level cache at the floors 2^17 and
+2^18, which a row's floor should not slow down either.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -40,6 +44,42 @@ def suggest(results):
         if above and all(ratio <= PAYOFF for ratio in above):
             return p
     return 0
+
+
+def cold_sweep(lora, lib, cpu, rounds, dtype):
+    """One decode per projection of Llama-2-7B-shaped rank-16 adapters, sized past the
+    last-level cache as the main run's sweep (``workloads.size_sweep``), so every call reads its
+    factors from memory (the case of a model's decode step): the median pass with the floor at
+    2^17 and at the default, rounds alternating.  Returns (MiB, seconds at 2^17, at 2^18)."""
+    import ml_dtypes
+
+    from .workloads.sweep import LLAMA2_7B, SWEEP_RANK, size_sweep
+
+    layers, _ = size_sweep(cpu["llc"]["bytes"], cpu["mem_available_bytes"])
+    st = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(1)
+    calls, size = [], 0
+    for _ in range(layers):
+        for _, rows, cols in LLAMA2_7B:
+            a = (rng.standard_normal((SWEEP_RANK, cols), np.float32) * 0.02).astype(st)
+            b = (rng.standard_normal((rows, SWEEP_RANK), np.float32) * 0.02).astype(st)
+            calls.append((lora.LoraDelta(a, b), np.ones(cols, np.float32), np.zeros(rows, np.float32)))
+            size += a.nbytes + b.nbytes
+
+    def one_pass():
+        t = time.perf_counter()
+        for d, x, out in calls:
+            d.add_to(x, out)
+        return time.perf_counter() - t
+    times = {17: [], DEFAULT_LOG2: []}
+    for _ in range(rounds):
+        for p in times:
+            lib.lora_team_set_min_work(1 << p)
+            lib.lora_team_reset()
+            one_pass()  # wakes the team; the next passes find nothing of it left in cache
+            times[p].append(min(one_pass() for _ in range(3)))
+    lib.lora_team_set_min_work(0)
+    return size / 2**20, float(np.median(times[17])), float(np.median(times[DEFAULT_LOG2]))
 
 
 def _team_stats(lib):
@@ -119,8 +159,18 @@ def run(args):
         lora.set_num_threads(default_threads)
         lib.lora_team_set_min_work(0)
         lib.lora_team_reset()
+    try:
+        lora.set_num_threads(2)
+        sweeps = [(dt, *cold_sweep(lora, lib, c, max(3, cfg.rounds), dt))
+                  for dt in ("float32", "bfloat16")]
+    finally:
+        lora.set_num_threads(default_threads)
+        lib.lora_team_set_min_work(0)
+        lib.lora_team_reset()
     progress.done()
     p = suggest(found)
+    sweep_lines = [f"cold sweep {dt:<8} {mib:5.0f} MiB past the L3: floor 2^17 {t17 * 1e3:.2f} ms, "
+                   f"2^18 {t18 * 1e3:.2f} ms, 2^17/2^18 {t17 / t18:.2f}" for dt, mib, t17, t18 in sweeps]
     kinfo = lora.kernel_info()
     cpu = kinfo["cpu"]
     print("\n".join([
@@ -129,11 +179,13 @@ def run(args):
         f"{cpu['name'] or 'none'}); one core's L2: {l2 >> 10} KiB; {kinfo['thread_policy']}",
         f"load from other processes over the run: {run_monitor.others() or 0:.2f} CPUs", "",
         f"{'row':<36} work   bytes     1 thread  2 threads  2t/1t   teams  lost  load",
-        *body, "",
+        *body, *sweep_lines, "",
         f"2t/1t: two threads' median over one thread's, rounds alternating; a team pays at <= {PAYOFF}; "
         "teams / lost: team calls of the two-thread blocks and those the policy judged lost (two in a "
         "row start a back-off to one thread: a block that ends backed off makes the row noisy)",
-        f"suggested team_floor_log2 for this core's csrc/isa.c row: {p}"
+        "cold sweep: one decode per projection of Llama-2-7B-shaped rank-16 adapters, a model's decode "
+        "step with every factor read from memory, the median pass at each floor",
+        f"suggested team_floor_log2 for this core's csrc/isa.c row (the rows above): {p}"
         + (f" (a team from 2^{p} multiply-adds)" if p else " (the default floor, 2^18)")
         + (" (noisy: measure again with --wait-quiet)" if noisy else "")]))
     return 0
