@@ -5,13 +5,13 @@ float32 and bfloat16 decodes whose bytes fit one core's L2 (the calls the plain 
 calls past the L2 have their own, lower floor) are timed on one thread and on two, the thread
 count set before each timed block (and the floor lowered below every row for the run,
 ``lora_team_set_min_work``, so that two threads really open a team) and the rounds alternating
-the two, so that a drift in the machine's load falls on both.  The thread count never changes the bits, only the time.  The
-report: per row its multiply-adds, bytes, both medians and two threads' median over one
-thread's, and the floor the run suggests: the lowest power of two from which every row of at
-least that work ran at most ``PAYOFF`` of one thread's time on two (the team policy's own
-pay-off line), ``0`` (the default floor, 2^18) where that is the default or higher.  Then a cold
-sweep (``cold_sweep``): a model's decode step past the last-level cache at the floors 2^17 and
-2^18, which a row's floor should not slow down either.
+the two, so that a drift in the machine's load falls on both. The thread count never changes the
+bits, only the time. The report: per row its multiply-adds, bytes, both medians and two threads'
+median over one thread's, and the floor the run suggests: the lowest power of two from which
+every row of at least that work ran at most ``PAYOFF`` of one thread's time on two (the team
+policy's own pay-off line), ``0`` (the default floor, 2^18) where that is the default or higher.
+Then a cold sweep (``cold_sweep``): a model's decode step past the last-level cache at the
+floors 2^17 and 2^18, which a row's floor should not slow down either.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def cold_sweep(lora, lib, cpu, rounds, dtype):
         for _, rows, cols in LLAMA2_7B:
             a = (rng.standard_normal((SWEEP_RANK, cols), np.float32) * 0.02).astype(st)
             b = (rng.standard_normal((rows, SWEEP_RANK), np.float32) * 0.02).astype(st)
-            calls.append((lora.LoraDelta(a, b), np.ones(cols, np.float32), np.zeros(rows, np.float32)))
+            x, out = np.ones(cols, np.float32), np.zeros(rows, np.float32)
+            calls.append((lora.LoraDelta(a, b), x, out))
             size += a.nbytes + b.nbytes
 
     def one_pass():
@@ -169,8 +170,9 @@ def run(args):
         lib.lora_team_reset()
     progress.done()
     p = suggest(found)
-    sweep_lines = [f"cold sweep {dt:<8} {mib:5.0f} MiB past the L3: floor 2^17 {t17 * 1e3:.2f} ms, "
-                   f"2^18 {t18 * 1e3:.2f} ms, 2^17/2^18 {t17 / t18:.2f}" for dt, mib, t17, t18 in sweeps]
+    sweep_lines = [f"cold sweep {dt:<8} {mib:5.0f} MiB past the L3: floor 2^17 "
+                   f"{t17 * 1e3:.2f} ms, 2^18 {t18 * 1e3:.2f} ms, 2^17/2^18 {t17 / t18:.2f}"
+                   for dt, mib, t17, t18 in sweeps]
     kinfo = lora.kernel_info()
     cpu = kinfo["cpu"]
     print("\n".join([
@@ -180,11 +182,12 @@ def run(args):
         f"load from other processes over the run: {run_monitor.others() or 0:.2f} CPUs", "",
         f"{'row':<36} work   bytes     1 thread  2 threads  2t/1t   teams  lost  load",
         *body, *sweep_lines, "",
-        f"2t/1t: two threads' median over one thread's, rounds alternating; a team pays at <= {PAYOFF}; "
-        "teams / lost: team calls of the two-thread blocks and those the policy judged lost (two in a "
-        "row start a back-off to one thread: a block that ends backed off makes the row noisy)",
-        "cold sweep: one decode per projection of Llama-2-7B-shaped rank-16 adapters, a model's decode "
-        "step with every factor read from memory, the median pass at each floor",
+        "2t/1t: two threads' median over one thread's, rounds alternating; a team pays at <= "
+        f"{PAYOFF}; teams / lost: team calls of the two-thread blocks and those the policy judged "
+        "lost (two in a row start a back-off to one thread: a block that ends backed off makes "
+        "the row noisy)",
+        "cold sweep: one decode per projection of Llama-2-7B-shaped rank-16 adapters, a model's "
+        "decode step with every factor read from memory, the median pass at each floor",
         f"suggested team_floor_log2 for this core's csrc/isa.c row (the rows above): {p}"
         + (f" (a team from 2^{p} multiply-adds)" if p else " (the default floor, 2^18)")
         + (" (noisy: measure again with --wait-quiet)" if noisy else "")]))
