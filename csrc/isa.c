@@ -91,13 +91,18 @@ int lora_cpu_id(char *vendor, int *family, int *model, int *stepping) {
 #endif
 }
 
-int lora_isa_for_cpu(const char *vendor, int family, int model, int flags_best,
-                     const char **name, const char **evidence) {
-    const core_row_ *row = NULL;
-    for (int i = 0; vendor && i < N_CORES_ && !row; i++)
+/* the CPU table's row for this vendor / family / model, or NULL */
+static const core_row_ *core_row_for_(const char *vendor, int family, int model) {
+    for (int i = 0; vendor && i < N_CORES_; i++)
         if (!strcmp(vendor, CORES_[i].vendor) && family == CORES_[i].family &&
             model >= CORES_[i].model_lo && model <= CORES_[i].model_hi)
-            row = &CORES_[i];
+            return &CORES_[i];
+    return NULL;
+}
+
+int lora_isa_for_cpu(const char *vendor, int family, int model, int flags_best,
+                     const char **name, const char **evidence) {
+    const core_row_ *row = core_row_for_(vendor, family, model);
     if (name) *name = row ? row->name : NULL;
     if (evidence) *evidence = row ? row->evidence : NULL;
     /* x86 codes rank by width and every wider path needs the narrower one's
@@ -109,11 +114,8 @@ int lora_isa_for_cpu(const char *vendor, int family, int model, int flags_best,
 }
 
 int64_t lora_team_floor_for_cpu(const char *vendor, int family, int model) {
-    for (int i = 0; vendor && i < N_CORES_; i++)
-        if (!strcmp(vendor, CORES_[i].vendor) && family == CORES_[i].family &&
-            model >= CORES_[i].model_lo && model <= CORES_[i].model_hi)
-            return CORES_[i].team_floor_log2 > 0 ? (int64_t)1 << CORES_[i].team_floor_log2 : 0;
-    return 0;
+    const core_row_ *row = core_row_for_(vendor, family, model);
+    return row && row->team_floor_log2 > 0 ? (int64_t)1 << row->team_floor_log2 : 0;
 }
 
 int lora_isa_supported(int isa) {
