@@ -156,7 +156,8 @@ def thread_policy():
     """One line saying how calls choose their threads right now (``kernel_info()["thread_policy"]``).
 
     A call opens a team only from ``lib.lora_team_min_work()`` multiply-adds per team
-    synchronisation (2^18, or the floor the CPU table measured for this core; from ``lib.lora_team_min_work_past_l2()`` when the bytes it reads, the
+    synchronisation (2^18, or the floor the CPU table measured for this core; from
+    ``lib.lora_team_min_work_past_l2()`` when the bytes it reads, the
     adapter factors with x and out, exceed one core's L2 cache, ``lib.lora_team_l2_bytes()``:
     then each core reads its share from its own L2, or keeps a stream from memory in flight),
     and only while team calls beat one thread; after two in a row that did not (other work
