@@ -50,22 +50,20 @@ def cold_sweep(lora, lib, cpu, rounds, dtype):
     """One decode per projection of Llama-2-7B-shaped rank-16 adapters, sized past the
     last-level cache as the main run's sweep (``workloads.size_sweep``), so every call reads its
     factors from memory (the case of a model's decode step): the median pass with the floor at
-    2^17 and at the default, rounds alternating.  Returns (MiB, seconds at 2^17, at 2^18)."""
-    import ml_dtypes
-
-    from .workloads.sweep import LLAMA2_7B, SWEEP_RANK, size_sweep
+    2^17 and at the default, rounds alternating (the caller restores the floor).  Returns (MiB,
+    seconds at 2^17, at 2^18)."""
+    from .workloads.sweep import LLAMA2_7B, SWEEP_RANK, size_sweep, sweep_layer_bytes
 
     layers, _ = size_sweep(cpu["llc"]["bytes"], cpu["mem_available_bytes"])
-    st = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     rng = np.random.default_rng(1)
-    calls, size = [], 0
+    calls = []
     for _ in range(layers):
         for _, rows, cols in LLAMA2_7B:
-            a = (rng.standard_normal((SWEEP_RANK, cols), np.float32) * 0.02).astype(st)
-            b = (rng.standard_normal((rows, SWEEP_RANK), np.float32) * 0.02).astype(st)
+            a = rng.standard_normal((SWEEP_RANK, cols), np.float32) * 0.02
+            b = rng.standard_normal((rows, SWEEP_RANK), np.float32) * 0.02
             x, out = np.ones(cols, np.float32), np.zeros(rows, np.float32)
-            calls.append((lora.LoraDelta(a, b), x, out))
-            size += a.nbytes + b.nbytes
+            calls.append((lora.LoraDelta(a, b, dtype=dtype), x, out))
+    size = layers * sweep_layer_bytes(SWEEP_RANK, 4 if dtype == "float32" else 2)
 
     def one_pass():
         t = time.perf_counter()
@@ -79,7 +77,6 @@ def cold_sweep(lora, lib, cpu, rounds, dtype):
             lib.lora_team_reset()
             one_pass()  # wakes the team; the next passes find nothing of it left in cache
             times[p].append(min(one_pass() for _ in range(3)))
-    lib.lora_team_set_min_work(0)
     return size / 2**20, float(np.median(times[17])), float(np.median(times[DEFAULT_LOG2]))
 
 
@@ -107,8 +104,6 @@ def run(args):
                        rounds=args.rounds or 7, impl_budget_s=0.6,
                        settle_s=(args.settle_ms if args.settle_ms is not None else 200) * 1e-3,
                        quiet_wait_s=args.wait_quiet)
-    import ml_dtypes
-
     rng = np.random.default_rng(0)
     l2 = lib.lora_team_l2_bytes()
     monitor, run_monitor = machine.CpuMonitor(), machine.CpuMonitor()
@@ -122,9 +117,8 @@ def run(args):
             if l2 and size > l2:  # past one core's L2: the lower floor decides it, not this one
                 body.append(f"{label:<36} skipped: {size >> 10} KiB, past one core's L2")
                 continue
-            st = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-            d = lora.LoraDelta((rng.standard_normal((rank, cols)) * 0.02).astype(st),
-                               (rng.standard_normal((rows, rank)) * 0.02).astype(st))
+            d = lora.LoraDelta(rng.standard_normal((rank, cols), np.float32) * 0.02,
+                               rng.standard_normal((rows, rank), np.float32) * 0.02, dtype=dtype)
             x, out = rng.standard_normal(cols).astype(np.float32), np.zeros(rows, np.float32)
             impls, tally = {}, [0, 0, 0]  # team calls, judged lost, blocks that ended backed off
 
@@ -156,11 +150,6 @@ def run(args):
                         f"{med[2] / med[1]:5.2f}  {teams:>6} {lost:>5}  "
                         + ("-" if busy is None else f"{'! ' if flag else ''}others {busy:.2f} CPU")
                         + (f"; ! {backed} blocks backed off to one thread" if backed_off else ""))
-    finally:
-        lora.set_num_threads(default_threads)
-        lib.lora_team_set_min_work(0)
-        lib.lora_team_reset()
-    try:
         lora.set_num_threads(2)
         sweeps = [(dt, *cold_sweep(lora, lib, c, max(3, cfg.rounds), dt))
                   for dt in ("float32", "bfloat16")]
