@@ -202,9 +202,10 @@ double lora_now(void) {
 /* The floor in use: the CPU table's for this core where its row measured
  * one (isa.c; `bench.py --team-compare`: on AMD Zen 4 Genoa, whose 1 MiB L2
  * holds a 4096 x 4096 rank-16 float32 decode, a cold sweep of such decodes
- * took 0.63-0.76x its time at 2^18 with a team from 2^17, and hot calls
- * 0.52-1.06x one thread's time, where a 2-vCPU Intel VM's hot 4096 x 4096
- * rank-16 decode took 1.07x), else LORA_PAR_MIN_WORK.  Looked up once;
+ * took 0.63-0.80x (float32) and 0.83-0.84x (bfloat16) of its time at 2^18
+ * with a team from 2^17, and hot calls 0.64-1.06x one thread's time, where
+ * a 2-vCPU Intel VM's hot 4096 x 4096 rank-16 decode took 1.07x), else
+ * LORA_PAR_MIN_WORK.  Looked up once;
  * lora_team_set_min_work replaces it (measurements, tests). */
 static int64_t g_min_work = -1;
 
