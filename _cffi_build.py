@@ -100,10 +100,12 @@ def openmp_flags():
     return [], []
 
 
-def build_flags():
+def build_flags(openmp=True):
+    """(compile, link) flags of an extension: the library's (OpenMP when it links) or, with
+    ``openmp=False``, the same without OpenMP (setup.py's lora._edge, which runs no threads)."""
     if sys.platform == "win32":
         return ["/O2", "/fp:precise"], []
-    omp_compile, omp_link = openmp_flags()
+    omp_compile, omp_link = openmp_flags() if openmp else ([], [])
     extra = shlex.split(os.environ.get("LORA_CFLAGS", ""))
     # -ffp-contract=off: no multiply-add is fused unless a kernel says so, so
     # each path's summation order is the one its file header writes down.

@@ -1,9 +1,32 @@
-# cffi's extension is declared here because pyproject.toml alone cannot carry
-# `cffi_modules`; everything else lives in pyproject.toml.
+# Two extensions:
+# - lora._lora_cffi, the C library and its cffi bindings (_cffi_build.py; pyproject.toml alone
+#   cannot carry `cffi_modules`);
+# - lora._edge (csrc/python/edge.c), LoraDelta's decode and prefill entries as CPython functions that
+#   read a NumPy array's or a torch tensor's facts in C and call the library through pointers
+#   lora._lora_cffi hands over; it needs NumPy's headers to build, not to run.
 #
-# The extension uses only the stable ABI (cffi defines Py_LIMITED_API and names
-# it _lora_cffi.abi3.so), so the wheel is tagged cp39-abi3: one wheel per
-# platform serves CPython 3.9 and every later version.
-from setuptools import setup
+# Both use only the stable ABI of CPython 3.9 (cffi defines Py_LIMITED_API; edge.c defines it
+# itself), so the wheel is tagged cp39-abi3: one wheel per platform serves CPython 3.9 and
+# every later version.
+import os
+import sys
 
-setup(cffi_modules=["_cffi_build.py:ffibuilder"], options={"bdist_wheel": {"py_limited_api": "cp39"}})
+import numpy
+from setuptools import Extension, setup
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cffi_build import build_flags  # noqa: E402
+
+_cflags, _ldflags = build_flags(openmp=False)
+edge = Extension(
+    "lora._edge",
+    sources=[os.path.join("csrc", "python", "edge.c")],
+    include_dirs=["csrc", numpy.get_include()],
+    depends=[os.path.join("csrc", name) for name in ("lora.h", "kernels.h")],
+    extra_compile_args=_cflags,
+    extra_link_args=_ldflags,
+    py_limited_api=True,
+)
+
+setup(cffi_modules=["_cffi_build.py:ffibuilder"], ext_modules=[edge],
+      options={"bdist_wheel": {"py_limited_api": "cp39"}})

@@ -50,6 +50,11 @@ if [ "$omp_note" = "OpenMP from libomp" ]; then
 fi
 clang -fsyntax-only -std=gnu11 -Wall -Wextra -Werror -Wno-unused-parameter -Icsrc csrc/*.c \
     || fail "clang warnings (serial)"
+log "clang -Wall -Wextra -Werror -fsyntax-only csrc/python/edge.c (lora._edge)"
+clang -fsyntax-only -std=gnu11 -Wall -Wextra -Werror -Wno-unused-parameter -Icsrc \
+    -I"$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    -I"$("$PY" -c 'import numpy; print(numpy.get_include())')" csrc/python/edge.c \
+    || fail "clang warnings (lora._edge)"
 
 info() { (cd "$WORK/src" && PYTHONPATH="$WORK/src" "$PY" -c \
     'import lora; i = lora.kernel_info(); print(i["compiler"].split()[0], i["openmp"], i["threads"], i["isa"])'); }
@@ -68,7 +73,7 @@ run_tests tests/test_guarantees.py tests/test_bank.py tests/test_half.py tests/t
 
 log "CC=clang LORA_DISABLE_OPENMP=1 build"
 # setuptools would reuse the objects of the first build (same sources, newer timestamps)
-rm -rf "$WORK"/src/lora/_lora_cffi*.so "$WORK"/src/build
+rm -rf "$WORK"/src/lora/_lora_cffi*.so "$WORK"/src/lora/_edge*.so "$WORK"/src/build
 LORA_DISABLE_OPENMP=1 build_into_copy "" || { cat "$WORK/build.log"; fail "clang serial build"; }
 read -r compiler omp threads isa <<<"$(info)"
 log "kernel_info: compiler=$compiler openmp=$omp threads=$threads isa=$isa"

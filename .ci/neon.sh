@@ -139,6 +139,9 @@ read -r -a ldflags < <(sed -n 2p "$WORK/flags")
 log "flags: ${cflags[*]} | ${ldflags[*]}"
 "$XCC" -shared -fPIC "${cflags[@]}" -Icsrc -I"$SYSROOT/usr/include" -I"$SYSROOT/usr/include/python3.11" \
     lora/_lora_cffi.c csrc/*.c "${ldflags[@]}" -o lora/_lora_cffi.abi3.so || fail "cross build"
+# lora._edge: no OpenMP, NumPy's headers from the aarch64 wheel
+"$XCC" -shared -fPIC -O3 -std=gnu11 -Icsrc -I"$(ls -d "$SITE"/numpy/_core/include "$SITE"/numpy/core/include 2>/dev/null | head -1)" -I"$SYSROOT/usr/include" \
+    -I"$SYSROOT/usr/include/python3.11" csrc/python/edge.c -o lora/_edge.abi3.so || fail "cross build (edge)"
 
 qenv=(env "PYTHONPATH=$SITE:$SRC" "PYTHONDONTWRITEBYTECODE=1" "CI=1" "OMP_NUM_THREADS=2")
 info="$("${qenv[@]}" "$PYQ" -c 'import lora, platform; i = lora.kernel_info(); print(platform.machine(), i["isa"], ",".join(i["available_isas"]), i["openmp"])')"

@@ -14,7 +14,8 @@ copy_checkout() {
 
 # Build the extension with the project's own build requirements (pip's isolated build env:
 # pyproject.toml pins setuptools>=77, newer than a fresh venv's), then drop the compiled module
-# into the copy, so the copy imports exactly that build.  $1: extra LORA_CFLAGS.
+# into the copy (both extensions, lora._lora_cffi and lora._edge), so the copy imports exactly
+# that build.  $1: extra LORA_CFLAGS.
 build_into_copy() {
     local flags=()
     if [ -n "$1" ]; then flags=("LORA_CFLAGS=$1"); fi
@@ -25,11 +26,12 @@ build_into_copy() {
 import glob, os, sys, zipfile
 whl = glob.glob(os.path.join(sys.argv[1], "*.whl"))[0]
 with zipfile.ZipFile(whl) as z:
-    mods = [n for n in z.namelist() if n.startswith("lora/_lora_cffi") and n.endswith((".so", ".pyd"))]
+    mods = [n for n in z.namelist() if n.startswith(("lora/_lora_cffi", "lora/_edge"))
+            and n.endswith((".so", ".pyd"))]
     for name in mods:
         with open(os.path.join(sys.argv[2], os.path.basename(name)), "wb") as fh:
             fh.write(z.read(name))
-sys.exit(0 if mods else "no compiled lora/_lora_cffi module in " + whl)
+sys.exit(0 if len(mods) == 2 else f"expected lora/_lora_cffi and lora/_edge in {whl}; got {mods}")
 PYEOF
 }
 

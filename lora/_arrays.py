@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 from . import _dtypes as dtypes
+from . import _edge
 from ._lora_cffi import ffi, lib
 
 F32 = np.dtype(np.float32)  # what an x the kernels cannot read in place is converted to
@@ -64,6 +65,10 @@ def torch_init():
     _GRAD_ENABLED = torch.is_grad_enabled
     _BUMP = getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version
     TORCH_CODES.update(dtypes.torch_codes())
+    # lora._edge reads a plain tensor's memory, device, dtype, shape and strides from one DLPack
+    # export, and notes writes as note_write does
+    from torch.utils.dlpack import to_dlpack
+    _edge.setup_torch(torch.Tensor, to_dlpack, _GRAD_ENABLED, _BUMP)
     return TORCH_CODES
 
 

@@ -28,11 +28,12 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dtypes as dtypes
+from . import _edge
 from ._lora_cffi import ffi, lib
 
 __all__ = ["run_vec", "run_batch", "DECLINE", "vec_args", "batch_args", "rows_args"]
 
-DECLINE = -1  # a fast-path call's answer for "not this path": the checked path follows
+DECLINE = _edge.DECLINE  # a fast-path call's answer for "not this path": the checked path follows
 
 # The fast paths' vocabulary, bound once here and imported by the modules of the apply methods (a
 # module global is reached faster than an attribute).  from_buffer(CHARS, out, True) asks for a
@@ -48,6 +49,15 @@ NULL = ffi.NULL
 # with `from ... import` as an attribute load (it may be a module), a bound method made per call
 fast_code = dtypes.FAST.get
 ERR_ALIGN = lib.LORA_ERR_ALIGN
+
+
+def _address(name):
+    return int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
+
+
+# lora._edge (LoraDelta's entries in C) reads the same dtype objects as `fast_code` and calls
+# the library's own lora_add / lora_add_batch
+_edge.setup(ndarray, dtypes.fast_pairs(), _address("lora_add"), _address("lora_add_batch"))
 
 _cast = ffi.cast
 _VOIDP = ffi.typeof("void *")

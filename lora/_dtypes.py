@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 
+from . import _edge
 from ._lora_cffi import lib
 
 __all__ = ["ALL", "NAMES", "CODES", "BY_NAME", "BY_CODE", "FAST", "np_code", "np_dtype",
@@ -104,6 +105,12 @@ _KEEP = []  # dtype objects whose id() is in FAST stay alive
 _FOREIGN = tuple(d for d in ALL if d.foreign)
 
 
+def fast_pairs():
+    """(dtype object, code) of every dtype in `FAST` so far: what lora._edge compares."""
+    return tuple((d.numpy, d.code) for d in ALL if not d.foreign) + tuple(
+        (dt, FAST[id(dt)]) for dt in _KEEP)
+
+
 def np_code(dt):
     """The C code of a native NumPy dtype of one of `ALL`, else None."""
     code = FAST.get(id(dt))
@@ -116,6 +123,7 @@ def np_code(dt):
             if d.foreign and dt is np.dtype(dt.type):  # the canonical object: remember it
                 FAST[id(dt)] = d.code
                 _KEEP.append(dt)
+                _edge.add_numpy_dtypes(((dt, d.code),))
             return d.code
     return None
 

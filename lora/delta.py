@@ -12,9 +12,9 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dtypes as dtypes
+from . import _edge
 from ._byvalue import ByValue, same_slots
-from ._dispatch import (CHARS, INT64S, NULL, fast_code, from_buffer, ndarray, rows_args,
-                        run_batch, run_vec)
+from ._dispatch import DECLINE, INT64S, NULL, from_buffer, rows_args, run_batch, run_vec
 from ._entries import Member, entry_type
 from ._lora_cffi import ffi, lib
 from ._merge import finite_scale, merge_
@@ -24,6 +24,8 @@ from .scale import LoraScale
 __all__ = ["LoraDelta"]
 
 _lora_add = lib.lora_add
+_edge_add = _edge.add_to
+_edge_add_batch = _edge.add_batch_to
 _lora_add_batch = lib.lora_add_batch
 _lora_add_rows = lib.lora_add_rows
 _lora_add_at = lib.lora_add_at
@@ -160,7 +162,7 @@ class LoraDelta(ByValue):
     LoraScale; ``copy.deepcopy`` owns new ones.
     """
 
-    __slots__ = ("_ptr", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype", "_scale",
+    __slots__ = ("_ptr", "_addr", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype", "_scale",
                  "_alpha_factor", "_xshape", "_oshape", "_keep", "__weakref__")
 
     def __init__(self, a, b, *, alpha=0.0, scale=1.0, rslora=False, base_shape=None,
@@ -217,7 +219,7 @@ class LoraDelta(ByValue):
             raise ValueError(f"cannot view a rank-{rank} [{rows} x {cols}] {name} delta with row "
                              f"lengths {a[1]} / {b[1]}")
         self = cls.__new__(cls)
-        self._ptr = ffi.gc(ptr, lib.lora_delta_free)
+        self._own(ptr)
         self._rank, self._rows, self._cols = rank, rows, cols
         self._alpha, self._rslora, self._dtype = 0.0, False, name
         self._scale = scale if isinstance(scale, LoraScale) else LoraScale(scale)
@@ -231,7 +233,7 @@ class LoraDelta(ByValue):
         """A delta around a C delta made elsewhere, which it now owns (package-internal:
         `LoraExperts` packs its experts' storage in one pass and hands each expert over)."""
         self = cls.__new__(cls)
-        self._ptr = ffi.gc(ptr, lib.lora_delta_free)
+        self._own(ptr)
         self._rank, self._rows, self._cols = rank, rows, cols
         self._alpha, self._rslora, self._dtype = alpha, rslora, dtype
         self._scale = scale
@@ -278,7 +280,7 @@ class LoraDelta(ByValue):
                                  from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
-        self._ptr = ffi.gc(ptr, lib.lora_delta_free)
+        self._own(ptr)
         self._rank, self._rows, self._cols = rank, rows, cols
         self._alpha, self._rslora, self._dtype = alpha, bool(rslora), name
         self._scale = scale
@@ -310,6 +312,12 @@ class LoraDelta(ByValue):
         return (f"LoraDelta(rank={self._rank}, rows={self._rows}, cols={self._cols}, "
                 f"alpha={self._alpha}, dtype={self._dtype!r}, scale={self._scale.value})")
 
+    def _own(self, ptr):
+        """Take ownership of C delta `ptr` (freed with this object); ``_addr`` is its address as
+        an int, the form `lora._edge`'s entries take."""
+        self._ptr = ffi.gc(ptr, lib.lora_delta_free)
+        self._addr = int(ffi.cast("uintptr_t", ptr))
+
     def _kernel_entries(self):
         """The entry protocol (lora._entries): one kernel entry of one member, this delta."""
         return ((Member(self._ptr, self._scale, self._alpha_factor, self),),)
@@ -324,20 +332,13 @@ class LoraDelta(ByValue):
         place, anything else converted to float32 (a copy).  Raises TypeError/ValueError naming
         expected vs actual; ``out`` is untouched on error.
         """
-        status = None
-        if (type(x) is ndarray and type(out) is ndarray
-                and (xc := fast_code(id(x.dtype))) is not None
-                and (oc := fast_code(id(out.dtype))) is not None
-                and x.shape == self._xshape and out.shape == self._oshape):
-            try:  # the common case: no conversion, no copy, no further check
-                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
-            except ValueError:  # not contiguous: the checked path
-                pass
-            else:  # one C call: it checks x/out overlap, then skips all arithmetic at scale 0
-                status = _lora_add(self._ptr, self._scale._value * self._alpha_factor, xp, xc, op,
-                                   oc)
-                if status == 0:
-                    return out
+        # the common case (NumPy arrays or plain CPU tensors, the exact shapes, contiguous,
+        # dtypes the kernels read) in one C call that reads the arrays itself; DECLINE: not it
+        status = _edge_add(self._addr, self._scale._value * self._alpha_factor, x, out)
+        if status == 0:
+            return out
+        if status == DECLINE:
+            status = None
         return run_vec(_add, _add_at, self, x, out, self._xshape, self._oshape, status)
 
     def add_batch_to(self, x, out):
@@ -349,22 +350,12 @@ class LoraDelta(ByValue):
         stride, e.g. ``qkv[:, :d]``), written in place.  Each position is bit-identical to
         ``add_to`` on it alone.
         """
-        status = None
-        if (type(x) is ndarray and type(out) is ndarray
-                and (xc := fast_code(id(x.dtype))) is not None
-                and (oc := fast_code(id(out.dtype))) is not None
-                and out.ndim == 2 and out.shape[1] == self._rows
-                and x.shape == (out.shape[0], self._cols)):
-            try:  # C-contiguous arrays of the right shapes: no conversion, no copy
-                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
-            except ValueError:  # row-strided or not contiguous: the checked path
-                pass
-            else:
-                n = out.shape[0]
-                status = _lora_add_batch(self._ptr, self._scale._value * self._alpha_factor, n, xp,
-                                         xc, self._cols, op, oc, self._rows) if n else 0
-                if status == 0:
-                    return out
+        # as add_to: any leading axes, both C-contiguous, in one C call
+        status = _edge_add_batch(self._addr, self._scale._value * self._alpha_factor, x, out)
+        if status == 0:
+            return out
+        if status == DECLINE:
+            status = None
         return run_batch(_add_batch, _add_batch_at, self, x, out, self._cols, self._rows, status)
 
     def add_row_to(self, r, out_row):

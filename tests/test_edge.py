@@ -1,0 +1,288 @@
+"""LoraDelta's C entries (lora._edge): the common case (NumPy arrays or plain CPU tensors of the
+exact shapes, contiguous, dtypes the kernels read) is taken in C and gives the bits of the cffi
+call on the same memory; everything else is declined to the checked path, which still raises
+or converts as before; the entries survive any argument the Python layer could hand them."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import lora
+import lora.delta as delta_mod
+from lora import _edge
+from lora._lora_cffi import ffi, lib
+from conftest import assert_same_bits, make_delta
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+NP = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
+CODE = {"float32": lib.LORA_DTYPE_F32, "float16": lib.LORA_DTYPE_F16, "bfloat16": lib.LORA_DTYPE_BF16}
+ROWS, COLS, RANK = 37, 53, 5
+DECLINE = _edge.DECLINE
+
+
+@pytest.fixture
+def d():
+    return make_delta(np.random.default_rng(7), RANK, ROWS, COLS, alpha=2.0 * RANK, scale=0.75)
+
+
+def _arrays(rng, lead, xdt, odt):
+    x = rng.standard_normal(lead + (COLS,)).astype(NP[xdt])
+    out = rng.standard_normal(lead + (ROWS,)).astype(NP[odt])
+    return x, out
+
+
+def _cffi_ref(d, x, out):
+    """The same call through cffi on copies: what the ndarray path computed before lora._edge."""
+    x, out = x.copy(), out.copy()
+    s = d._scale._value * d._alpha_factor
+    xp, op = ffi.from_buffer(x), ffi.from_buffer(out, require_writable=True)
+    xc, oc = CODE[x.dtype.name], CODE[out.dtype.name]
+    if x.ndim == 1:
+        st = lib.lora_add(d._ptr, s, xp, xc, op, oc)
+    else:
+        st = lib.lora_add_batch(d._ptr, s, x.size // COLS, xp, xc, COLS, op, oc, ROWS)
+    assert st == 0
+    return out
+
+
+def _counting(monkeypatch, name):
+    """Wrap lora.delta's binding of an edge entry: the statuses it returned, in order."""
+    seen = []
+    real = getattr(delta_mod, name)
+
+    def wrapper(*args):
+        st = real(*args)
+        seen.append(st)
+        return st
+
+    monkeypatch.setattr(delta_mod, name, wrapper)
+    return seen
+
+
+@pytest.mark.parametrize("xdt", list(NP))
+@pytest.mark.parametrize("odt", list(NP))
+@pytest.mark.parametrize("lead", [(), (4,), (2, 3)])
+def test_ndarrays_take_the_edge_with_the_cffi_bits(d, monkeypatch, xdt, odt, lead):
+    rng = np.random.default_rng(1)
+    x, out = _arrays(rng, lead, xdt, odt)
+    ref = _cffi_ref(d, x, out)
+    method, entry = ("add_to", "_edge_add") if not lead else ("add_batch_to", "_edge_add_batch")
+    getattr(d, method)(x.copy(), out.copy())  # bfloat16 joins the fast dtypes at its first array
+    seen = _counting(monkeypatch, entry)
+    assert getattr(d, method)(x, out) is out
+    assert seen == [0]  # taken in C, not declined to the Python paths
+    assert_same_bits(out, ref)
+
+
+def test_a_nonnative_or_strided_array_is_declined_and_still_right(d, monkeypatch):
+    rng = np.random.default_rng(2)
+    x, out = _arrays(rng, (), "float32", "float32")
+    ref = _cffi_ref(d, x, out)
+    seen = _counting(monkeypatch, "_edge_add")
+    cases = [(x.astype(">f4"), out.copy()),                        # not the canonical dtype object
+             (np.repeat(x, 2)[::2], out.copy()),                    # strided x
+             (x.astype(np.float64), out.copy())]                    # converted by the checked path
+    for xi, oi in cases:
+        d.add_to(xi, oi)
+        assert_same_bits(oi, ref)
+    big = np.repeat(out, 2)
+    with pytest.raises(ValueError, match="C-contiguous"):          # strided out: refused
+        d.add_to(x, big[::2])
+    assert_same_bits(big, np.repeat(out, 2))
+    assert seen == [DECLINE] * 4
+
+
+def test_declines_leave_the_checked_paths_errors(d):
+    x = np.ones(COLS, np.float32)
+    ro = np.zeros(ROWS, np.float32)
+    ro.flags.writeable = False
+    for xi, oi, err in [(x, ro, ValueError), (np.ones(COLS + 1, np.float32), np.zeros(ROWS, np.float32), ValueError),
+                        (x, np.zeros(ROWS, np.int32), TypeError), (x, [0.0] * ROWS, TypeError)]:
+        assert _edge.add_to(d._addr, 1.0, xi, oi) == DECLINE
+        with pytest.raises(err):
+            d.add_to(xi, oi)
+    assert not ro.any()
+
+
+def test_overlap_and_bad_scale_come_back_as_c_statuses():
+    rng = np.random.default_rng(3)
+    sq = make_delta(rng, RANK, COLS, COLS)
+    buf = np.ones(COLS, np.float32)
+    assert _edge.add_to(sq._addr, 1.0, buf, buf) == lib.LORA_ERR_OVERLAP
+    with pytest.raises(ValueError):
+        sq.add_to(buf, buf)
+    assert _edge.add_to(sq._addr, 1e300, buf, np.zeros(COLS, np.float32)) == lib.LORA_ERR_SCALE
+
+
+def test_warn_on_write_views_are_declined():
+    """NumPy marks some views writeable-with-a-warning (np.broadcast_arrays); its own writeable
+    buffer request warns for them, so the edge must decline them.  This pins the flag bit the C
+    side reads (it is not in NumPy's public headers)."""
+    rng = np.random.default_rng(4)
+    dd = make_delta(rng, RANK, ROWS, COLS)
+    out, _ = np.broadcast_arrays(np.zeros(ROWS, np.float32), np.zeros((1, ROWS), np.float32))
+    assert out.flags.c_contiguous
+    x = np.ones((1, COLS), np.float32)
+    assert _edge.add_batch_to(dd._addr, 1.0, x, out) == DECLINE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dd.add_batch_to(x, out)
+    assert any(issubclass(w.category, (FutureWarning, DeprecationWarning)) for w in caught)
+
+
+def test_unaligned_out_is_refused_and_unaligned_x_is_copied(d):
+    rng = np.random.default_rng(5)
+    x, out = _arrays(rng, (), "float32", "float32")
+    ref = _cffi_ref(d, x, out)
+    raw = np.zeros(COLS * 4 + 1, np.uint8)
+    xo = raw[1:].view(np.float32)
+    xo[:] = x
+    assert _edge.add_to(d._addr, d._scale._value * d._alpha_factor, xo, out.copy()) == lib.LORA_ERR_ALIGN
+    o = out.copy()
+    d.add_to(xo, o)
+    assert_same_bits(o, ref)
+    oraw = np.zeros(ROWS * 4 + 1, np.uint8)
+    with pytest.raises(ValueError, match="aligned"):
+        d.add_to(x, oraw[1:].view(np.float32))
+
+
+def test_empty_batch_is_a_no_op(d, monkeypatch):
+    seen = _counting(monkeypatch, "_edge_add_batch")
+    out = np.zeros((0, ROWS), np.float32)
+    assert d.add_batch_to(np.zeros((0, COLS), np.float32), out) is out
+    assert seen == [0]
+
+
+@pytest.mark.parametrize("args", [
+    (), (0,), (0, 1.0, None), (0, 1.0, None, None, None),
+    (0, 1.0, np.ones(COLS, np.float32), np.zeros(ROWS, np.float32)),      # NULL delta
+    ("x", 1.0, np.ones(COLS, np.float32), np.zeros(ROWS, np.float32)),
+    (1, "s", np.ones(COLS, np.float32), np.zeros(ROWS, np.float32)),
+])
+@pytest.mark.parametrize("entry", [_edge.add_to, _edge.add_batch_to])
+def test_malformed_calls_raise(args, entry):
+    """A private module's entries, called only with a live delta's address; what they can check
+    (the argument count and kinds, a NULL address) raises instead of crashing."""
+    with pytest.raises((TypeError, ValueError, OverflowError)):
+        entry(*args)
+
+
+def test_setup_refuses_what_is_not_a_type_or_callable():
+    with pytest.raises(TypeError):
+        _edge.setup(1, (), 1, 1)
+    with pytest.raises(ValueError):
+        _edge.setup(np.ndarray, (), 0, 0)
+    with pytest.raises((TypeError, ValueError)):
+        _edge.add_numpy_dtypes(((np.dtype(">f4"), 99),))
+    with pytest.raises(TypeError):
+        _edge.setup_torch(np.ndarray, 1, 2, 3)
+
+
+# ---------------------------------------------------------------- torch tensors
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _as_torch(torch, a):
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def _as_np(torch, t):
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().copy().view(BF16)
+    return t.numpy().copy()
+
+
+@pytest.mark.parametrize("xdt", list(NP))
+@pytest.mark.parametrize("odt", list(NP))
+@pytest.mark.parametrize("lead", [(), (3,), (2, 2)])
+def test_tensors_take_the_edge_with_the_cffi_bits(d, monkeypatch, xdt, odt, lead):
+    torch = _torch()
+    rng = np.random.default_rng(6)
+    x, out = _arrays(rng, lead, xdt, odt)
+    ref = _cffi_ref(d, x, out)
+    xt, ot = _as_torch(torch, x), _as_torch(torch, out)
+    method, entry = ("add_to", "_edge_add") if not lead else ("add_batch_to", "_edge_add_batch")
+    getattr(d, method)(_as_torch(torch, x), _as_torch(torch, out))  # the first tensor sets torch up
+    seen = _counting(monkeypatch, entry)
+    assert getattr(d, method)(xt, ot) is ot
+    assert seen == [0]
+    assert_same_bits(_as_np(torch, ot), ref)
+
+
+def test_tensor_views_at_an_offset_read_their_own_memory(d):
+    torch = _torch()
+    rng = np.random.default_rng(8)
+    x, out = _arrays(rng, (), "float32", "float32")
+    ref = _cffi_ref(d, x, out)
+    xb = torch.zeros(COLS + 7)
+    xb[5:5 + COLS] = torch.from_numpy(x)
+    ob = torch.zeros(ROWS + 9)
+    ob[3:3 + ROWS] = torch.from_numpy(out)
+    xv, ov = xb[5:5 + COLS], ob[3:3 + ROWS]
+    assert _edge.add_to(d._addr, d._scale._value * d._alpha_factor, xv, ov) == 0
+    assert_same_bits(ov.numpy(), ref)
+    assert not ob[:3].any() and not ob[3 + ROWS:].any()
+
+
+def test_tensors_the_edge_declines(d):
+    torch = _torch()
+    x, o = torch.ones(COLS), torch.zeros(ROWS)
+    d.add_to(x, torch.zeros(ROWS))  # sets torch up
+    a = d._addr
+    declined = [
+        (torch._neg_view(x), o),                                   # the neg bit
+        (torch._efficientzerotensor(COLS), o),                     # no memory
+        (torch.ones(COLS, device="meta"), o),
+        (x, torch.zeros(ROWS, requires_grad=True)),                # an autograd leaf
+        (x, torch.nn.Parameter(torch.zeros(ROWS), requires_grad=False)),  # a subclass
+        (torch.ones(2 * COLS)[::2], o),                            # strided
+        (x.to_sparse(), o),
+        (torch.ones(COLS, dtype=torch.int32), o),
+        (torch.ones(COLS, dtype=torch.float64), o),
+        (np.ones(COLS, np.float32), o),                            # mixed kinds
+        (x, np.zeros(ROWS, np.float32)),
+        (torch.ones(1, COLS), o),                                  # the wrong rank
+    ]
+    for xi, oi in declined:
+        assert _edge.add_to(a, 1.0, xi, oi) == DECLINE
+    assert not o.any()
+
+
+def test_neg_view_x_is_resolved_by_the_checked_path(d):
+    torch = _torch()
+    rng = np.random.default_rng(9)
+    x, out = _arrays(rng, (), "float32", "float32")
+    ref = _cffi_ref(d, -x, out)
+    ot = torch.from_numpy(out.copy())
+    d.add_to(torch._neg_view(torch.from_numpy(x.copy())), ot)
+    assert_same_bits(ot.numpy(), ref)
+
+
+def test_tensor_out_is_version_bumped_under_grad_mode_only(d):
+    torch = _torch()
+    x, o = torch.ones(COLS), torch.zeros(ROWS)
+    d.add_to(x, o)
+    v = o._version
+    assert _edge.add_to(d._addr, 1.0, x, o) == 0
+    assert o._version == v + 1
+    with torch.no_grad():
+        assert _edge.add_to(d._addr, 1.0, x, o) == 0
+    assert o._version == v + 1
+
+
+def test_a_backward_that_saved_out_sees_the_write(d):
+    """autograd raises for a tensor written in place after it was saved, as with torch's own
+    in-place ops (the edge's version bump)."""
+    torch = _torch()
+    w = torch.ones(ROWS, requires_grad=True)
+    o = torch.zeros(ROWS)
+    y = (w * o).sum()  # saves o
+    d.add_to(torch.ones(COLS), o)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
