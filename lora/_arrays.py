@@ -95,6 +95,10 @@ def check_tensor_place(t, what):
     if t.layout != torch_module().strided:
         raise TypeError(f"{what} is a torch tensor with layout {t.layout}; a dense (strided) "
                         f"tensor is needed")
+    if t.data_ptr() == 0 and t.numel() > 0:
+        raise TypeError(f"{what} is a torch tensor without memory (a zero tensor, as autograd "
+                        f"makes for an unused gradient); a tensor with memory is needed, e.g. "
+                        f"torch.zeros_like({what})")
 
 
 def dtype_name(obj):

@@ -86,16 +86,18 @@ def run_vec(call, call_at, extra, x, out, xshape, oshape, status):
                         and x.shape == xshape and out.shape == oshape
                         and x.is_contiguous() and out.is_contiguous()
                         and not x.is_neg() and not out.is_neg())
+                if fast:  # a tensor without memory (torch's zero tensors) has address 0
+                    xa, oa = x.data_ptr(), out.data_ptr()
+                    fast = xa != 0 and oa != 0
                 if fast:
                     _note_write(out)
             except _TENSOR_MISS:
                 fast = False
             if fast:
                 if call_at is not None:
-                    status = call_at(extra, x.data_ptr(), xc, out.data_ptr(), oc)
+                    status = call_at(extra, xa, xc, oa, oc)
                 else:
-                    status = call(extra, _cast(_VOIDP, x.data_ptr()), xc,
-                                  _cast(_VOIDP, out.data_ptr()), oc)
+                    status = call(extra, _cast(_VOIDP, xa), xc, _cast(_VOIDP, oa), oc)
                 if status == 0:
                     return out
     elif status != ERR_ALIGN and status != DECLINE:
@@ -134,17 +136,20 @@ def run_batch(call, call_at, extra, x, out, cols, rows, status, xdrop=0):
                     if n >= 0 and not (x.is_contiguous() and out.is_contiguous()
                                        and not x.is_neg() and not out.is_neg()):
                         n = -1
+                if n >= 0:  # as in run_vec: address 0 (with positions) is a tensor without memory
+                    xa, oa = x.data_ptr(), out.data_ptr()
+                    if n > 0 and (xa == 0 or oa == 0):
+                        n = -1
                 if n >= 0:
                     _note_write(out)
             except _TENSOR_MISS:
                 n = -1
             if n >= 0:
                 if call_at is not None:
-                    status = call_at(extra, None, n, x.data_ptr(), xc, cols, out.data_ptr(), oc,
-                                     rows)
+                    status = call_at(extra, None, n, xa, xc, cols, oa, oc, rows)
                 else:
-                    status = call(extra, None, n, _cast(_VOIDP, x.data_ptr()), xc, cols,
-                                  _cast(_VOIDP, out.data_ptr()), oc, rows)
+                    status = call(extra, None, n, _cast(_VOIDP, xa), xc, cols, _cast(_VOIDP, oa),
+                                  oc, rows)
                 if status == 0:
                     return out
     elif status != ERR_ALIGN and status != DECLINE:

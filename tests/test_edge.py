@@ -286,3 +286,21 @@ def test_a_backward_that_saved_out_sees_the_write(d):
     d.add_to(torch.ones(COLS), o)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+def test_tensors_without_memory_are_refused_not_read(d):
+    """torch's zero tensors (what autograd makes for an unused gradient) have data_ptr() 0: every
+    path refuses them with a TypeError instead of handing address 0 to C."""
+    torch = _torch()
+    z = torch._efficientzerotensor
+    bank = lora.LoraBank([d, d])
+    ids = np.array([0, 1])
+    calls = [lambda: d.add_to(z(COLS), torch.zeros(ROWS)),
+             lambda: d.add_to(torch.ones(COLS), z(ROWS)),
+             lambda: d.add_batch_to(z(2, COLS), torch.zeros(2, ROWS)),
+             lambda: d.add_batch_to(torch.ones(2, COLS), z(2, ROWS)),
+             lambda: bank.add_batch_to(z(2, COLS), torch.zeros(2, ROWS), ids),
+             lambda: bank.add_batch_to(torch.ones(2, COLS), z(2, ROWS), ids)]
+    for call in calls:
+        with pytest.raises(TypeError, match="without memory"):
+            call()
