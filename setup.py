@@ -1,9 +1,9 @@
 # Two extensions:
 # - lora._lora_cffi, the C library and its cffi bindings (_cffi_build.py; pyproject.toml alone
 #   cannot carry `cffi_modules`);
-# - lora._edge (csrc/python/edge.c), LoraDelta's decode and prefill entries as CPython functions that
-#   read a NumPy array's or a torch tensor's facts in C and call the library through pointers
-#   lora._lora_cffi hands over; it needs NumPy's headers to build, not to run.
+# - lora._edge (csrc/python/edge.c), LoraDelta's decode and prefill entries as CPython functions
+#   that read a NumPy array's or a torch tensor's facts in C and call the library through
+#   pointers lora._lora_cffi hands over; it needs NumPy's headers to build, not to run.
 #
 # Both use only the stable ABI of CPython 3.9 (cffi defines Py_LIMITED_API; edge.c defines it
 # itself), so the wheel is tagged cp39-abi3: one wheel per platform serves CPython 3.9 and

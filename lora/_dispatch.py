@@ -5,7 +5,8 @@ entry table's adds behind stacks, banks and adapter sets) takes the same steps:
 
 1. the ndarray fast path, written inline in the method because it is the common case and a
    Python call costs about as much as one of its checks: NumPy arrays of the exact shapes, of
-   dtypes the kernels read (`fast_code`), contiguous -> the C call;
+   dtypes the kernels read (`fast_code`), contiguous -> the C call (`LoraDelta`'s two methods
+   take this case, and plain CPU tensors too, in C: `lora._edge`, csrc/python/edge.c);
 2. `run_vec` (decode: x ``[cols]``, out ``[rows]``) or `run_batch` (x ``[..., cols]``, out
    ``[..., rows]``) for everything else: the tensor fast path (contiguous CPU tensors of those
    dtypes, passed by address), then the checked path (every rule of the input contract; an x

@@ -2,7 +2,9 @@
 
 Layouts: lora_a = A [rank, cols], lora_b = B [rows, rank], a base W [rows, cols] (= [n_out,
 n_in]).  Every add_* method validates all of its inputs before the first write, makes one C call
-with the GIL released, and returns `out`; the way to that call is `lora._dispatch`'s.
+with the GIL released, and returns `out`.  `add_to` and `add_batch_to` try `lora._edge` first
+(the common case, taken in C from the arrays themselves); everything it declines goes the way
+of `lora._dispatch`.
 """
 
 import math
@@ -162,8 +164,8 @@ class LoraDelta(ByValue):
     LoraScale; ``copy.deepcopy`` owns new ones.
     """
 
-    __slots__ = ("_ptr", "_addr", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype", "_scale",
-                 "_alpha_factor", "_xshape", "_oshape", "_keep", "__weakref__")
+    __slots__ = ("_ptr", "_addr", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype",
+                 "_scale", "_alpha_factor", "_xshape", "_oshape", "_keep", "__weakref__")
 
     def __init__(self, a, b, *, alpha=0.0, scale=1.0, rslora=False, base_shape=None,
                  dtype="float32"):

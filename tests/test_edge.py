@@ -17,7 +17,8 @@ from conftest import assert_same_bits, make_delta
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NP = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
-CODE = {"float32": lib.LORA_DTYPE_F32, "float16": lib.LORA_DTYPE_F16, "bfloat16": lib.LORA_DTYPE_BF16}
+CODE = {"float32": lib.LORA_DTYPE_F32, "float16": lib.LORA_DTYPE_F16,
+        "bfloat16": lib.LORA_DTYPE_BF16}
 ROWS, COLS, RANK = 37, 53, 5
 DECLINE = _edge.DECLINE
 
@@ -98,8 +99,10 @@ def test_declines_leave_the_checked_paths_errors(d):
     x = np.ones(COLS, np.float32)
     ro = np.zeros(ROWS, np.float32)
     ro.flags.writeable = False
-    for xi, oi, err in [(x, ro, ValueError), (np.ones(COLS + 1, np.float32), np.zeros(ROWS, np.float32), ValueError),
-                        (x, np.zeros(ROWS, np.int32), TypeError), (x, [0.0] * ROWS, TypeError)]:
+    cases = [(x, ro, ValueError),
+             (np.ones(COLS + 1, np.float32), np.zeros(ROWS, np.float32), ValueError),
+             (x, np.zeros(ROWS, np.int32), TypeError), (x, [0.0] * ROWS, TypeError)]
+    for xi, oi, err in cases:
         assert _edge.add_to(d._addr, 1.0, xi, oi) == DECLINE
         with pytest.raises(err):
             d.add_to(xi, oi)
@@ -139,7 +142,8 @@ def test_unaligned_out_is_refused_and_unaligned_x_is_copied(d):
     raw = np.zeros(COLS * 4 + 1, np.uint8)
     xo = raw[1:].view(np.float32)
     xo[:] = x
-    assert _edge.add_to(d._addr, d._scale._value * d._alpha_factor, xo, out.copy()) == lib.LORA_ERR_ALIGN
+    s = d._scale._value * d._alpha_factor
+    assert _edge.add_to(d._addr, s, xo, out.copy()) == lib.LORA_ERR_ALIGN
     o = out.copy()
     d.add_to(xo, o)
     assert_same_bits(o, ref)

@@ -1,6 +1,6 @@
 /*
- * csrc/python/edge.c - lora._edge: the decode and prefill entries of a LoraDelta as CPython functions
- * that take the NumPy arrays or torch tensors themselves.
+ * csrc/python/edge.c - lora._edge: the decode and prefill entries of a LoraDelta as CPython
+ * functions that take the NumPy arrays or torch tensors themselves.
  *
  * Through cffi a call makes one pointer object per array (ffi.from_buffer) and converts every
  * argument: about 0.6 us of a 1.1 us call whose kernel does nothing (scale 0).  Here the facts
@@ -54,8 +54,8 @@ static struct {
     add_batch_fn add_batch;
     /* torch: set at the first tensor the Python layer sees (import lora never imports torch) */
     PyTypeObject *tensor;
-    PyObject *to_dlpack, *grad_enabled, *bump; /* torch.utils.dlpack.to_dlpack, torch.is_grad_enabled,
-                                                  the version bump */
+    /* torch.utils.dlpack.to_dlpack, torch.is_grad_enabled, the version bump */
+    PyObject *to_dlpack, *grad_enabled, *bump;
     PyObject *s_requires_grad, *s_is_neg; /* interned names */
 } E;
 
@@ -416,7 +416,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "lora._edge",
-    "The entries of a LoraDelta that take NumPy arrays and torch tensors in C (see csrc/python/edge.c).",
+    "The entries of a LoraDelta that take NumPy arrays and torch tensors in C "
+    "(see csrc/python/edge.c).",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
