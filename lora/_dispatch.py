@@ -56,9 +56,11 @@ def _address(name):
     return int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
 
 
-# lora._edge (LoraDelta's entries in C) reads the same dtype objects as `fast_code` and calls
-# the library's own lora_add / lora_add_batch
-_edge.setup(ndarray, dtypes.fast_pairs(), _address("lora_add"), _address("lora_add_batch"))
+# lora._edge (LoraDelta's entries and the entry table's apply calls, in C) reads the same dtype
+# objects as `fast_code` (and the ids' and scales' of the table's fast path) and calls the
+# library's own lora_add / lora_add_batch / lora_apply_batch
+_edge.setup(ndarray, dtypes.fast_pairs(), np.dtype(np.int64), np.dtype(np.float64),
+            tuple(_address(f) for f in ("lora_add", "lora_add_batch", "lora_apply_batch")))
 
 _cast = ffi.cast
 _VOIDP = ffi.typeof("void *")

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _dispatch as dispatch
+from . import _edge
 from ._dispatch import (CHARS, DECLINE, DOUBLES, ERR_ALIGN, INT64S, NULL, fast_code,
                         from_buffer, ndarray)
 from . import scale as _scale_mod
@@ -47,6 +48,11 @@ _lora_apply_batch_dora = lib.lora_apply_batch_dora
 _lora_apply_rows_dora = lib.lora_apply_rows_dora
 _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
 _EPOCH = _scale_mod.epoch
+_edge_apply = _edge.apply_batch
+
+
+def _address(cdata):
+    return int(ffi.cast("uintptr_t", cdata))
 _F32_OVERFLOW = _scale_mod.F32_OVERFLOW
 
 
@@ -116,7 +122,7 @@ class EntryTable:
     __slots__ = ("_entries", "_shape", "_expert_shape", "_what", "_routed", "stale", "members",
                  "ptrs", "first", "starts", "starts_c", "n_kernel", "_scale_objs", "_scale_idx",
                  "_factors", "_values", "_scales_c", "_epoch", "_c_batch", "_c_rows", "_dora",
-                 "_fac_cache", "__weakref__")
+                 "_fac_cache", "_edge", "_scales_pair", "__weakref__")
 
     def __init__(self, entries, what="bank entry", *, routed=False):
         self._entries = list(entries)
@@ -193,6 +199,13 @@ class EntryTable:
         self.starts_c = ffi.new("int64_t[]", starts)
         self._values = None
         self._epoch = None
+        self._scales_pair = None
+        # lora._edge's view of a plain table (DoRA members need their factor tables: Python's
+        # path): the numbers and addresses, and the arrays they point into, kept alive by it
+        self._edge = None
+        if not self._dora and self._shape is not None and self.n_kernel:
+            self._edge = (self.n_kernel, _address(self.first), _address(self.ptrs),
+                          self._shape[0], self._shape[1], self.first, self.ptrs)
         self.stale = False
 
     @property
@@ -235,9 +248,10 @@ class EntryTable:
         if epoch == self._epoch:
             return self._scales_c
         values = [s._value for s in self._scale_objs]
-        if values != self._values:
+        if values != self._values or self._scales_pair is None:
             idx, factors = self._scale_idx, self._factors
-            self._scales_c = ffi.new("double[]", [values[k] * f for k, f in zip(idx, factors)])
+            c = ffi.new("double[]", [values[k] * f for k, f in zip(idx, factors)])
+            self._scales_c, self._scales_pair = c, (_address(c), c)  # the pair: lora._edge's
             self._values = values
         self._epoch = epoch
         return self._scales_c
@@ -301,20 +315,18 @@ class EntryTable:
         hold a delta (its shape is known)."""
         if self.stale:
             self._rebuild()
-        rows, cols = shape = self._shape
-        status = None
-        if (type(x) is ndarray and type(out) is ndarray
-                and (xc := fast_code(id(x.dtype))) is not None
-                and (oc := fast_code(id(out.dtype))) is not None
-                and x.shape == (cols,) and out.shape == (rows,)):
-            try:  # contiguous arrays of the exact shapes: no conversion, no copy
-                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
-            except ValueError:  # not contiguous: the checked path
-                pass
-            else:
-                status = _apply_vec(self, xp, xc, op, oc)
-                if status == 0:
-                    return out
+        shape = self._shape
+        edge = self._edge
+        if edge is not None:  # the common case in C (lora._edge): NumPy arrays or plain tensors
+            if _EPOCH[0] != self._epoch:
+                self.scales()
+            status = _edge_apply(edge, self._scales_pair, x, out, None, None, False)
+            if status == 0:
+                return out
+            if status == DECLINE:
+                status = None
+        else:
+            status = None
         return dispatch.run_vec(_apply_vec, None, self, x, out, shape[1:], shape[:1], status)
 
     def apply_row(self, r, out_row):
@@ -339,6 +351,13 @@ class EntryTable:
         if self._expert_shape is not None:
             self.plain("add_batch_to")
         shape = self._shape
+        edge = self._edge
+        if edge is not None:  # the common case in C (lora._edge); on anything else, or a C
+            # error, the paths below take the call from the start (and raise what C refused)
+            if _EPOCH[0] != self._epoch:
+                self.scales()
+            if _edge_apply(edge, self._scales_pair, x, out, adapter_ids, scales, True) == 0:
+                return out
         status = None
         if (type(x) is ndarray and type(out) is ndarray
                 and (xc := fast_code(id(x.dtype))) is not None

@@ -174,10 +174,13 @@ def test_malformed_calls_raise(args, entry):
 
 
 def test_setup_refuses_what_is_not_a_type_or_callable():
+    i64, f64 = np.dtype(np.int64), np.dtype(np.float64)
     with pytest.raises(TypeError):
-        _edge.setup(1, (), 1, 1)
+        _edge.setup(1, (), i64, f64, (1, 1, 1))
+    with pytest.raises(TypeError):
+        _edge.setup(np.ndarray, (), i64, f64, (1, 1))
     with pytest.raises(ValueError):
-        _edge.setup(np.ndarray, (), 0, 0)
+        _edge.setup(np.ndarray, (), i64, f64, (0, 0, 0))
     with pytest.raises((TypeError, ValueError)):
         _edge.add_numpy_dtypes(((np.dtype(">f4"), 99),))
     with pytest.raises(TypeError):
@@ -308,3 +311,155 @@ def test_tensors_without_memory_are_refused_not_read(d):
     for call in calls:
         with pytest.raises(TypeError, match="without memory"):
             call()
+
+
+# ---------------------------------------------------------------- entry tables (banks, stacks, sets)
+
+import lora._entries as entries_mod  # noqa: E402
+
+
+def _both_ways(monkeypatch, call, make_out):
+    """(out through lora._edge, out through the Python paths alone, the edge's statuses)."""
+    seen = []
+    real = entries_mod._edge_apply
+
+    def counting(*args):
+        seen.append(real(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(entries_mod, "_edge_apply", counting)
+    o1 = make_out()
+    call(o1)
+    monkeypatch.setattr(entries_mod, "_edge_apply", lambda *args: DECLINE)
+    o2 = make_out()
+    call(o2)
+    monkeypatch.setattr(entries_mod, "_edge_apply", real)
+    return o1, o2, seen
+
+
+def _deltas(rng, n=3):
+    return [make_delta(rng, RANK, ROWS, COLS, alpha=2.0 * RANK, scale=0.5 + i) for i in range(n)]
+
+
+@pytest.mark.parametrize("odt", list(NP))
+def test_a_bank_takes_the_edge_with_the_python_paths_bits(monkeypatch, odt):
+    rng = np.random.default_rng(10)
+    bank = lora.LoraBank(_deltas(rng) + [None])
+    x = rng.standard_normal((6, COLS)).astype(np.float32)
+    out0 = rng.standard_normal((6, ROWS)).astype(NP[odt])
+    ids = np.array([0, 2, -1, 1, 3, 0], np.int64)
+    pos = rng.uniform(0.25, 2.0, 6)
+    for i, p in [(ids, None), (ids, pos)]:
+        o1, o2, seen = _both_ways(monkeypatch, lambda o: bank.add_batch_to(x, o, i, p), out0.copy)
+        assert seen == [0]
+        assert_same_bits(o1, o2)
+
+
+def test_ids_per_sequence_take_the_edge(monkeypatch):
+    """ids of shape [batch] for a [batch, seq, hidden] input: one adapter per sequence."""
+    rng = np.random.default_rng(11)
+    bank = lora.LoraBank(_deltas(rng))
+    x = rng.standard_normal((2, 3, COLS)).astype(np.float32)
+    ids, pos = np.array([2, 0], np.int64), np.array([0.5, 1.5])
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: bank.add_batch_to(x, o, ids, pos),
+                              lambda: np.zeros((2, 3, ROWS), np.float32))
+    assert seen == [0]
+    assert_same_bits(o1, o2)
+
+
+def test_stacks_and_adapter_set_banks_take_the_edge(monkeypatch):
+    rng = np.random.default_rng(12)
+    ds = _deltas(rng)
+    stack = lora.LoraStack(ds)
+    x = rng.standard_normal((4, COLS)).astype(np.float32)
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: stack.add_batch_to(x, o),
+                              lambda: np.zeros((4, ROWS), np.float32))
+    assert seen == [0]
+    assert_same_bits(o1, o2)
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: stack.add_to(x[0], o),
+                              lambda: np.zeros(ROWS, np.float32))
+    assert seen == [0]
+    assert_same_bits(o1, o2)
+    aset = lora.AdapterSet({f"a{i}": lora.LoraAdapter({"proj": d}, name=f"a{i}",
+                                                      alpha=2.0 * RANK, scale=d.scale)
+                            for i, d in enumerate(ds)})
+    sb = aset.bank("proj")
+    ids = aset.slots(["a1", "a0", "a2", "a1"])
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: sb.add_batch_to(x, o, ids),
+                              lambda: np.zeros((4, ROWS), np.float32))
+    assert seen == [0]
+    assert_same_bits(o1, o2)
+
+
+def test_a_scale_set_between_calls_is_seen(monkeypatch):
+    rng = np.random.default_rng(13)
+    ds = _deltas(rng, 2)
+    bank = lora.LoraBank(ds)
+    x = rng.standard_normal((2, COLS)).astype(np.float32)
+    ids = np.array([0, 1], np.int64)
+    first = np.zeros((2, ROWS), np.float32)
+    bank.add_batch_to(x, first, ids)
+    ds[1].scale.set(0.0)
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: bank.add_batch_to(x, o, ids),
+                              lambda: np.zeros((2, ROWS), np.float32))
+    assert seen == [0]
+    assert_same_bits(o1, o2)
+    assert_same_bits(o1[0], first[0])
+    assert not o1[1].any()
+
+
+def test_tables_decline_what_the_edge_does_not_take(monkeypatch):
+    rng = np.random.default_rng(14)
+    bank = lora.LoraBank(_deltas(rng))
+    x = rng.standard_normal((3, COLS)).astype(np.float32)
+    cases = [np.array([0, 1, 2], np.int32),           # ids not int64: converted by Python
+             [0, 1, 2],                                # a list
+             np.array([0, 1, 2], np.int64)[::-1]]      # strided
+    for ids in cases:
+        o1, o2, seen = _both_ways(monkeypatch, lambda o: bank.add_batch_to(x, o, ids),
+                                  lambda: np.zeros((3, ROWS), np.float32))
+        assert seen == [DECLINE]
+        assert_same_bits(o1, o2)
+    ids = np.array([0, 1, 2], np.int64)
+    f32_scales = np.array([1, 2, 3], np.float32)  # not float64: converted by Python
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: bank.add_batch_to(x, o, ids, f32_scales),
+                              lambda: np.zeros((3, ROWS), np.float32))
+    assert seen == [DECLINE]
+    assert_same_bits(o1, o2)
+
+
+def test_a_c_refusal_through_a_table_raises_the_python_paths_error():
+    rng = np.random.default_rng(15)
+    bank = lora.LoraBank(_deltas(rng))
+    x = rng.standard_normal((3, COLS)).astype(np.float32)
+    out = np.zeros((3, ROWS), np.float32)
+    with pytest.raises(IndexError, match="position 1"):
+        bank.add_batch_to(x, out, np.array([0, 7, 1], np.int64))
+    with pytest.raises(ValueError, match="finite"):
+        bank.add_batch_to(x, out, np.array([0, 1, 1], np.int64), np.array([1.0, np.inf, 1.0]))
+    assert not out.any()
+
+
+def test_dora_tables_keep_the_python_path():
+    rng = np.random.default_rng(16)
+    a = rng.standard_normal((RANK, COLS)).astype(np.float32)
+    b = rng.standard_normal((ROWS, RANK)).astype(np.float32)
+    w = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    dora = lora.DoraDelta(a, b, np.abs(rng.standard_normal(ROWS)).astype(np.float32) + 1.0, w,
+                          alpha=2.0 * RANK)
+    table = lora.LoraBank([dora])._table
+    assert table._edge is None
+    assert lora.LoraBank(_deltas(rng))._table._edge is not None
+
+
+def test_a_tensor_bank_takes_the_edge(monkeypatch):
+    torch = _torch()
+    rng = np.random.default_rng(17)
+    bank = lora.LoraBank(_deltas(rng))
+    x = torch.from_numpy(rng.standard_normal((3, COLS)).astype(np.float32))
+    ids = np.array([2, 0, 1], np.int64)
+    bank.add_batch_to(x, torch.zeros(3, ROWS), ids)  # sets torch up
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: bank.add_batch_to(x, o, ids),
+                              lambda: torch.zeros(3, ROWS))
+    assert seen == [0]
+    assert_same_bits(o1.numpy(), o2.numpy())

@@ -40,6 +40,9 @@
 typedef int (*add_fn)(const lora_delta *, float, const void *, int, void *, int);
 typedef int (*add_batch_fn)(const lora_delta *, float, int64_t, const void *, int, int64_t,
                             void *, int, int64_t);
+typedef int (*apply_batch_fn)(int64_t, const int64_t *, const lora_delta *const *, const double *,
+                              const int64_t *, const double *, int64_t, int64_t, int64_t, int64_t,
+                              const void *, int, int64_t, void *, int, int64_t, int64_t *);
 
 typedef struct {
     PyObject *key[EDGE_MAX_DTYPES]; /* NumPy descr / torch dtype objects (strong references) */
@@ -50,8 +53,10 @@ typedef struct {
 static struct {
     PyTypeObject *ndarray;
     dtype_table np;
+    PyObject *int64, *float64; /* NumPy's canonical descrs of adapter ids and position scales */
     add_fn add;
     add_batch_fn add_batch;
+    apply_batch_fn apply_batch;
     /* torch: set at the first tensor the Python layer sees (import lora never imports torch) */
     PyTypeObject *tensor;
     /* torch.utils.dlpack.to_dlpack, torch.is_grad_enabled, the version bump */
@@ -249,6 +254,26 @@ static int note_write(PyObject *out)
     return 0;
 }
 
+/* x [..., cols] and out [..., rows] with the same leading axes (``batched``: at least one;
+ * else none): the positions, or -1 when they are not the fast case */
+static int64_t positions(const facts *fx, const facts *fo, int64_t rows, int64_t cols,
+                         int tensors, int batched)
+{
+    int nd = fo->nd;
+    if (fx->nd != nd || (batched ? nd < 2 : nd != 1) || fx->dim[nd - 1] != cols
+        || fo->dim[nd - 1] != rows)
+        return -1;
+    if (tensors && (cols < 2 || rows < 2)) /* a [1] tensor: the checked path's rules */
+        return -1;
+    int64_t n = 1;
+    for (int i = 0; i < nd - 1; i++) {
+        if (fx->dim[i] != fo->dim[i])
+            return -1;
+        n *= fo->dim[i];
+    }
+    return n;
+}
+
 /* The one way of both entries: (delta address, scale, x, out) -> the C status, EDGE_DECLINE, or
  * NULL with a Python error (bad arguments from the Python layer, an interrupt).  ``batched``:
  * x [..., cols] and out [..., rows] with the same leading axes (at least one), else x [cols]
@@ -272,19 +297,10 @@ static PyObject *run(PyObject *args, int batched)
     int tensors = 0, st = both_facts(x, out, &fx, &fo, &tensors);
     if (st != 0)
         return st == -2 ? NULL : PyLong_FromLong(st);
-    int nd = fo.nd;
-    int64_t n = 1;
+    int64_t n = positions(&fx, &fo, d->rows, d->cols, tensors, batched);
     st = EDGE_DECLINE;
-    if (fx.nd != nd || fx.dim[nd - 1] != d->cols || fo.dim[nd - 1] != d->rows
-        || (batched ? nd < 2 : nd != 1))
+    if (n < 0)
         goto done;
-    if (tensors && (d->cols < 2 || d->rows < 2)) /* a [1] tensor: the checked path's rules */
-        goto done;
-    for (int i = 0; i < nd - 1; i++) {
-        if (fx.dim[i] != fo.dim[i])
-            goto done;
-        n *= fo.dim[i];
-    }
     st = 0;
     if (n == 0)
         goto done;
@@ -317,6 +333,92 @@ static PyObject *edge_add_batch(PyObject *self, PyObject *args)
     return run(args, 1);
 }
 
+/* An exact 1-D C-contiguous ndarray of `n` elements of NumPy's canonical `descr`: its data, or
+ * NULL (not this path). */
+static const void *vector_of(PyObject *a, PyObject *descr, Py_ssize_t n)
+{
+    if (Py_TYPE(a) != E.ndarray)
+        return NULL;
+    PyArrayObject *v = (PyArrayObject *)a;
+    if ((PyObject *)PyArray_DESCR(v) != descr || PyArray_NDIM(v) != 1 || PyArray_DIMS(v)[0] != n
+        || !(PyArray_FLAGS(v) & NPY_ARRAY_C_CONTIGUOUS))
+        return NULL;
+    return PyArray_DATA(v);
+}
+
+/* apply_batch(table, scales, x, out, ids, pos, batched) -> status: an entry table's call
+ * (banks, stacks, adapter sets); ``batched`` false: a decode, x [cols] and out [rows], without
+ * ids.  table: (n_kernel entries, first address, deltas address,
+ * rows, cols, ...what keeps them alive); scales: (double[] address, what keeps it alive);
+ * x [..., cols], out [..., rows] as add_batch_to; ids None or int64 [lead[0]] (one id per
+ * leading row, repeated over the other leading axes: a sequence's adapter), pos None or float64
+ * of the ids' shape (only with ids).  A nonzero status is returned without the position C
+ * blamed: the Python layer repeats the call on its own path, which raises with it. */
+static PyObject *edge_apply_batch(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *tab, *sc, *x, *out, *ids, *pos, *batched_o;
+    if (!PyArg_UnpackTuple(args, "apply_batch", 7, 7, &tab, &sc, &x, &out, &ids, &pos, &batched_o))
+        return NULL;
+    int batched = PyObject_IsTrue(batched_o);
+    if (batched < 0)
+        return NULL;
+    if (!PyTuple_Check(tab) || PyTuple_Size(tab) < 5 || !PyTuple_Check(sc) || PyTuple_Size(sc) < 1) {
+        PyErr_SetString(PyExc_TypeError, "lora._edge: apply_batch(table tuple, scales tuple, ...)");
+        return NULL;
+    }
+    int64_t n_kernel = PyLong_AsLongLong(PyTuple_GetItem(tab, 0));
+    const int64_t *first = PyLong_AsVoidPtr(PyTuple_GetItem(tab, 1));
+    const lora_delta *const *deltas = PyLong_AsVoidPtr(PyTuple_GetItem(tab, 2));
+    int64_t rows = PyLong_AsLongLong(PyTuple_GetItem(tab, 3));
+    int64_t cols = PyLong_AsLongLong(PyTuple_GetItem(tab, 4));
+    const double *scales = PyLong_AsVoidPtr(PyTuple_GetItem(sc, 0));
+    if (PyErr_Occurred())
+        return NULL;
+    if (first == NULL || deltas == NULL || scales == NULL || n_kernel < 1 || rows < 1 || cols < 1) {
+        PyErr_SetString(PyExc_ValueError, "lora._edge: apply_batch: a table without deltas");
+        return NULL;
+    }
+    facts fx, fo;
+    int tensors = 0, st = both_facts(x, out, &fx, &fo, &tensors);
+    if (st != 0)
+        return st == -2 ? NULL : PyLong_FromLong(st);
+    int64_t n = positions(&fx, &fo, rows, cols, tensors, batched), every = 1;
+    const int64_t *idp = NULL;
+    const double *posp = NULL;
+    st = EDGE_DECLINE;
+    if (n < 0)
+        goto done;
+    if (ids != Py_None) {
+        if (!batched)
+            goto done;
+        idp = vector_of(ids, E.int64, fo.dim[0]);
+        if (idp == NULL)
+            goto done;
+        every = fo.dim[0] ? n / fo.dim[0] : 1;
+        if (pos != Py_None && (posp = vector_of(pos, E.float64, fo.dim[0])) == NULL)
+            goto done;
+    } else if (pos != Py_None) {
+        goto done;
+    }
+    st = 0;
+    if (n == 0)
+        goto done;
+    if (tensors && note_write(out) < 0) {
+        st = -2;
+        goto done;
+    }
+    int64_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS
+    st = E.apply_batch(n_kernel, first, deltas, scales, idp, posp, every, rows, cols, n, fx.ptr,
+                       fx.code, cols, fo.ptr, fo.code, rows, &bad);
+    Py_END_ALLOW_THREADS
+done:
+    Py_XDECREF(fx.keep);
+    Py_XDECREF(fo.keep);
+    return st == -2 ? NULL : PyLong_FromLong(st);
+}
+
 static int add_pairs(dtype_table *t, PyObject *pairs)
 {
     if (!PyTuple_Check(pairs)) {
@@ -338,30 +440,40 @@ static int add_pairs(dtype_table *t, PyObject *pairs)
     return 0;
 }
 
-/* setup(ndarray type, ((dtype, code), ...), lora_add address, lora_add_batch address) */
+/* setup(ndarray type, ((dtype, code), ...), int64 descr, float64 descr,
+ *       (lora_add, lora_add_batch, lora_apply_batch addresses)) */
 static PyObject *edge_setup(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *nd, *pairs, *fa, *fb;
-    if (!PyArg_ParseTuple(args, "OOOO", &nd, &pairs, &fa, &fb))
+    PyObject *nd, *pairs, *i64, *f64, *fns;
+    if (!PyArg_ParseTuple(args, "OOOOO", &nd, &pairs, &i64, &f64, &fns))
         return NULL;
-    if (!PyType_Check(nd)) {
-        PyErr_SetString(PyExc_TypeError, "lora._edge: the ndarray type expected");
+    if (!PyType_Check(nd) || !PyTuple_Check(fns) || PyTuple_Size(fns) != 3) {
+        PyErr_SetString(PyExc_TypeError, "lora._edge: setup(ndarray type, dtype pairs, int64, "
+                                         "float64, (three entry addresses))");
         return NULL;
     }
-    void *a = PyLong_AsVoidPtr(fa), *b = PyLong_AsVoidPtr(fb);
-    if (a == NULL || b == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "lora._edge: a NULL entry point");
-        return NULL;
+    void *fn[3];
+    for (int i = 0; i < 3; i++) {
+        fn[i] = PyLong_AsVoidPtr(PyTuple_GetItem(fns, i));
+        if (fn[i] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "lora._edge: a NULL entry point");
+            return NULL;
+        }
     }
     if (add_pairs(&E.np, pairs) < 0)
         return NULL;
-    Py_INCREF(nd);
-    Py_XDECREF((PyObject *)E.ndarray);
-    E.ndarray = (PyTypeObject *)nd;
-    E.add = (add_fn)a;
-    E.add_batch = (add_batch_fn)b;
+    PyObject **slot[3] = {(PyObject **)&E.ndarray, &E.int64, &E.float64};
+    PyObject *val[3] = {nd, i64, f64};
+    for (int i = 0; i < 3; i++) {
+        Py_INCREF(val[i]);
+        Py_XDECREF(*slot[i]);
+        *slot[i] = val[i];
+    }
+    E.add = (add_fn)fn[0];
+    E.add_batch = (add_batch_fn)fn[1];
+    E.apply_batch = (apply_batch_fn)fn[2];
     Py_RETURN_NONE;
 }
 
@@ -407,7 +519,10 @@ static PyMethodDef methods[] = {
     {"add_to", edge_add, METH_VARARGS, "add_to(delta address, scale, x, out) -> C status"},
     {"add_batch_to", edge_add_batch, METH_VARARGS,
      "add_batch_to(delta address, scale, x, out) -> C status"},
-    {"setup", edge_setup, METH_VARARGS, "setup(ndarray, dtype pairs, lora_add, lora_add_batch)"},
+    {"apply_batch", edge_apply_batch, METH_VARARGS,
+     "apply_batch(table, scales, x, out, ids, pos, batched) -> C status"},
+    {"setup", edge_setup, METH_VARARGS,
+     "setup(ndarray, dtype pairs, int64, float64, (lora_add, lora_add_batch, lora_apply_batch))"},
     {"add_numpy_dtypes", edge_add_numpy_dtypes, METH_O, "add_numpy_dtypes(dtype pairs)"},
     {"setup_torch", edge_setup_torch, METH_VARARGS,
      "setup_torch(Tensor, to_dlpack, is_grad_enabled, version bump)"},
