@@ -463,3 +463,11 @@ def test_a_tensor_bank_takes_the_edge(monkeypatch):
                               lambda: torch.zeros(3, ROWS))
     assert seen == [0]
     assert_same_bits(o1.numpy(), o2.numpy())
+
+
+def test_a_table_call_without_positions_still_checks_its_scales():
+    rng = np.random.default_rng(18)
+    bank = lora.LoraBank(_deltas(rng, 1))
+    with pytest.raises(ValueError, match="non-finite"):
+        bank.add_batch_to(np.zeros((2, 0, COLS), np.float32), np.zeros((2, 0, ROWS), np.float32),
+                          np.zeros(2, np.int64), np.array([np.nan, 1.0]))

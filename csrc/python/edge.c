@@ -401,8 +401,7 @@ static PyObject *edge_apply_batch(PyObject *self, PyObject *args)
     } else if (pos != Py_None) {
         goto done;
     }
-    st = 0;
-    if (n == 0)
+    if (n == 0) /* no positions: the Python path still checks the ids' scales (nan, inf) */
         goto done;
     if (tensors && note_write(out) < 0) {
         st = -2;
