@@ -18,6 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cffi_build import build_flags  # noqa: E402
 
 _cflags, _ldflags = build_flags(openmp=False)
+if sys.platform.startswith("linux"):
+    # the module calls nothing in libc, so the linker's --as-needed would leave it without a
+    # libc.so.6 (or musl) dependency, which auditwheel reads to tell a manylinux wheel from a
+    # musllinux one
+    _ldflags = _ldflags + ["-Wl,--no-as-needed", "-lc"]
 edge = Extension(
     "lora._edge",
     sources=[os.path.join("csrc", "python", "edge.c")],
