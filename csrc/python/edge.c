@@ -1,12 +1,14 @@
 /*
- * csrc/python/edge.c - lora._edge: the decode and prefill entries of a LoraDelta as CPython
- * functions that take the NumPy arrays or torch tensors themselves.
+ * csrc/python/edge.c - lora._edge: the decode and prefill entries of a LoraDelta, and the
+ * entry table's calls behind stacks, banks and adapter-set banks, as CPython functions that
+ * take the NumPy arrays or torch tensors themselves.
  *
  * Through cffi a call makes one pointer object per array (ffi.from_buffer) and converts every
  * argument: about 0.6 us of a 1.1 us call whose kernel does nothing (scale 0).  Here the facts
- * of an array are read from the object in C (a NumPy array's struct, a tensor's attributes),
- * then lora_add / lora_add_batch run, reached through the function pointers lora._lora_cffi
- * hands over at import (one library state: the ISA choice, the team, the plans).
+ * of an array are read from the object in C (a NumPy array's struct, a tensor's DLPack
+ * export), then lora_add / lora_add_batch / lora_apply_batch run, reached through the function
+ * pointers lora._lora_cffi hands over at import (one library state: the ISA choice, the team,
+ * the plans).
  *
  * Each entry takes only the common case: exact ndarray or torch.Tensor types, the exact shapes,
  * C-contiguous, dtypes the kernels read in place, out writeable (a tensor: on the CPU, no
@@ -213,7 +215,8 @@ decline:
 }
 
 /* x and out of one kind (both ndarrays or both plain tensors); anything else declines.  On
- * success both facts may hold a reference (release_facts); on failure neither does. */
+ * success a tensor's facts hold a reference (``keep``, released after the C call); on failure
+ * neither does. */
 static int both_facts(PyObject *x, PyObject *out, facts *fx, facts *fo, int *tensors)
 {
     PyTypeObject *tx = Py_TYPE(x), *to = Py_TYPE(out);
