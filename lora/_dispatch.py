@@ -52,15 +52,17 @@ fast_code = dtypes.FAST.get
 ERR_ALIGN = lib.LORA_ERR_ALIGN
 
 
-def _address(name):
-    return int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
+def address(cdata):
+    """A cffi pointer's address as an int: the form lora._edge takes pointers in."""
+    return int(ffi.cast("uintptr_t", cdata))
 
 
 # lora._edge (LoraDelta's entries and the entry table's apply calls, in C) reads the same dtype
 # objects as `fast_code` (and the ids' and scales' of the table's fast path) and calls the
 # library's own lora_add / lora_add_batch / lora_apply_batch
 _edge.setup(ndarray, dtypes.fast_pairs(), np.dtype(np.int64), np.dtype(np.float64),
-            tuple(_address(f) for f in ("lora_add", "lora_add_batch", "lora_apply_batch")))
+            tuple(address(ffi.addressof(lib, f))
+                  for f in ("lora_add", "lora_add_batch", "lora_apply_batch")))
 
 _cast = ffi.cast
 _VOIDP = ffi.typeof("void *")

@@ -31,7 +31,7 @@ import numpy as np
 from . import _arrays as arrays
 from . import _dispatch as dispatch
 from . import _edge
-from ._dispatch import (CHARS, DECLINE, DOUBLES, ERR_ALIGN, INT64S, NULL, fast_code,
+from ._dispatch import (CHARS, DECLINE, DOUBLES, ERR_ALIGN, INT64S, NULL, address, fast_code,
                         from_buffer, ndarray)
 from . import scale as _scale_mod
 from ._lora_cffi import ffi, lib
@@ -49,10 +49,6 @@ _lora_apply_rows_dora = lib.lora_apply_rows_dora
 _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
 _EPOCH = _scale_mod.epoch
 _edge_apply = _edge.apply_batch
-
-
-def _address(cdata):
-    return int(ffi.cast("uintptr_t", cdata))
 _F32_OVERFLOW = _scale_mod.F32_OVERFLOW
 
 
@@ -204,7 +200,7 @@ class EntryTable:
         # path): the numbers and addresses, and the arrays they point into, kept alive by it
         self._edge = None
         if not self._dora and self._shape is not None and self.n_kernel:
-            self._edge = (self.n_kernel, _address(self.first), _address(self.ptrs),
+            self._edge = (self.n_kernel, address(self.first), address(self.ptrs),
                           self._shape[0], self._shape[1], self.first, self.ptrs)
         self.stale = False
 
@@ -251,7 +247,7 @@ class EntryTable:
         if values != self._values or self._scales_pair is None:
             idx, factors = self._scale_idx, self._factors
             c = ffi.new("double[]", [values[k] * f for k, f in zip(idx, factors)])
-            self._scales_c, self._scales_pair = c, (_address(c), c)  # the pair: lora._edge's
+            self._scales_c, self._scales_pair = c, (address(c), c)  # the pair: lora._edge's
             self._values = values
         self._epoch = epoch
         return self._scales_c
@@ -315,7 +311,8 @@ class EntryTable:
         hold a delta (its shape is known)."""
         if self.stale:
             self._rebuild()
-        shape = self._shape
+        rows, cols = shape = self._shape
+        status = None
         edge = self._edge
         if edge is not None:  # the common case in C (lora._edge): NumPy arrays or plain tensors
             if _EPOCH[0] != self._epoch:
@@ -325,8 +322,18 @@ class EntryTable:
                 return out
             if status == DECLINE:
                 status = None
-        else:
-            status = None
+        elif (type(x) is ndarray and type(out) is ndarray  # a table without an edge view (DoRA)
+                and (xc := fast_code(id(x.dtype))) is not None
+                and (oc := fast_code(id(out.dtype))) is not None
+                and x.shape == (cols,) and out.shape == (rows,)):
+            try:  # contiguous arrays of the exact shapes: no conversion, no copy
+                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
+            except ValueError:  # not contiguous: the checked path
+                pass
+            else:
+                status = _apply_vec(self, xp, xc, op, oc)
+                if status == 0:
+                    return out
         return dispatch.run_vec(_apply_vec, None, self, x, out, shape[1:], shape[:1], status)
 
     def apply_row(self, r, out_row):

@@ -16,7 +16,7 @@ from . import _arrays as arrays
 from . import _dtypes as dtypes
 from . import _edge
 from ._byvalue import ByValue, same_slots
-from ._dispatch import DECLINE, INT64S, NULL, from_buffer, rows_args, run_batch, run_vec
+from ._dispatch import DECLINE, INT64S, NULL, address, from_buffer, rows_args, run_batch, run_vec
 from ._entries import Member, entry_type
 from ._lora_cffi import ffi, lib
 from ._merge import finite_scale, merge_
@@ -318,7 +318,7 @@ class LoraDelta(ByValue):
         """Take ownership of C delta `ptr` (freed with this object); ``_addr`` is its address as
         an int, the form `lora._edge`'s entries take."""
         self._ptr = ffi.gc(ptr, lib.lora_delta_free)
-        self._addr = int(ffi.cast("uintptr_t", ptr))
+        self._addr = address(ptr)
 
     def _kernel_entries(self):
         """The entry protocol (lora._entries): one kernel entry of one member, this delta."""

@@ -440,16 +440,32 @@ def test_a_c_refusal_through_a_table_raises_the_python_paths_error():
     assert not out.any()
 
 
-def test_dora_tables_keep_the_python_path():
-    rng = np.random.default_rng(16)
+def _dora(rng):
     a = rng.standard_normal((RANK, COLS)).astype(np.float32)
     b = rng.standard_normal((ROWS, RANK)).astype(np.float32)
     w = rng.standard_normal((ROWS, COLS)).astype(np.float32)
-    dora = lora.DoraDelta(a, b, np.abs(rng.standard_normal(ROWS)).astype(np.float32) + 1.0, w,
+    return lora.DoraDelta(a, b, np.abs(rng.standard_normal(ROWS)).astype(np.float32) + 1.0, w,
                           alpha=2.0 * RANK)
-    table = lora.LoraBank([dora])._table
-    assert table._edge is None
+
+
+def test_dora_tables_keep_the_python_path():
+    rng = np.random.default_rng(16)
+    assert lora.LoraBank([_dora(rng)])._table._edge is None
     assert lora.LoraBank(_deltas(rng))._table._edge is not None
+
+
+def test_a_dora_stack_decode_keeps_the_ndarray_fast_path(monkeypatch):
+    """A table without an edge view (a stack holding a DoRA member) still takes contiguous
+    arrays without the checked path."""
+    stack = lora.LoraStack([_dora(np.random.default_rng(19))])
+    x, out = np.ones(COLS, np.float32), np.zeros(ROWS, np.float32)
+    ref = stack.add_to(x, out.copy())
+
+    def checked(*args):
+        raise AssertionError("the checked path was taken")
+
+    monkeypatch.setattr(entries_mod.dispatch, "run_vec", checked)
+    assert_same_bits(stack.add_to(x, out), ref)
 
 
 def test_a_tensor_bank_takes_the_edge(monkeypatch):
