@@ -16,10 +16,10 @@ from lorabench import report, targets  # noqa: E402
 
 
 def peft_row(ours, peft, floor=10e-3):
-    impls = {"peft_merged": {"median_s": floor, "min_s": floor - 1e-3},
+    impls = {"peft_base": {"median_s": floor, "min_s": floor - 1e-3},
              "ours": {"median_s": ours, "min_s": ours - 1e-3},
              "peft_unmerged": {"median_s": peft, "min_s": peft - 1e-3}}
-    result = {"layers": 4, "floor": "peft_merged", "impls": impls,
+    result = {"layers": 4, "floor": "peft_base", "impls": impls,
               "speedup": {"peft_unmerged": peft / ours}}
     return SimpleNamespace(result=result)
 
@@ -39,10 +39,10 @@ def test_a_negative_overhead_is_flagged_as_noise():
 def test_the_dora_rows_render_and_feed_their_targets():
     from lorabench.workloads import dorapeft
 
-    ms = {"peft_merged": 10, "ours": 12, "ours_plain": 11.8, "ours_set_scale": 13, "peft_unmerged": 150,
+    ms = {"peft_base": 10, "ours": 12, "ours_plain": 11.8, "ours_set_scale": 13, "peft_unmerged": 150,
           "peft_dora_cached": 13, "peft_plain": 14}
     impls = {k: {"median_s": v * 1e-3, "min_s": v * 1e-3} for k, v in ms.items()}
-    result = {"layers": 8, "floor": "peft_merged", "impls": impls,
+    result = {"layers": 8, "floor": "peft_base", "impls": impls,
               "speedup": {k: v / ms["ours"] for k, v in ms.items() if k != "ours"}}
     row = SimpleNamespace(result=result, name=dorapeft.DECODE, group="peft", dtype="float32")
     notes = " ".join(report._peft_notes(row))

@@ -64,7 +64,7 @@ COLUMNS_NOTE = [
   "  edge rows: calls at scale 0 (no arithmetic): the Python layer and the C entry alone. adapter-set step:",
   "  one decode step, a bank call per projection; its edge is the same step with every adapter's scale 0.",
   "  peft rows: one forward of a whole PEFT model (lorabench/peftmodel.py); ours = under lora.accelerate_peft;",
-  "  LoRA overhead = a time less the floor's (merged, or adapter layers disabled for a mixed batch).",
+  "  LoRA overhead = a time less the floor's: the same model with its adapter layers disabled (same tensors).",
   "  peft moe rows: a Qwen3-MoE with LoRA on attention and experts (lorabench/workloads/moepeft.py); floor =",
   "  adapter layers disabled under accelerate_peft (our experts forward); transformers' = the same under PEFT.",
   "  peft dora rows: the peft rows' Llama with DoRA and plain adapters (lorabench/workloads/dorapeft.py);",

@@ -73,7 +73,7 @@ _BASE_NAMES = {
     "peft_dora": "PEFT's DoRA forward (torch, norm every call)",
     "ours_torch": "ours, torch tensors", "set": "AdapterSet bank", "delta": "LoraDelta add_batch_to",
     "edge": "edge (every scale 0)", "peft_unmerged": "PEFT", "peft_bf16_adapters": "PEFT, adapters bf16",
-    "peft_merged": "PEFT merged (floor)", "peft_base": "adapter layers disabled (floor)",
+    "peft_base": "adapter layers disabled (floor)",
     "transformers_base": "adapter layers disabled, transformers' experts",
     "peft_dora_cached": "PEFT, DoRA norm cache on", "ours_plain": "ours, plain LoRA", "peft_plain": "PEFT, plain LoRA",
     "ours_set_scale": "ours, set_scale + decode",

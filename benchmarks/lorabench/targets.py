@@ -293,7 +293,7 @@ TARGETS = (
                Rows("peft", d, moepeft.MIXED_NAME), Ratio("ours", "peft_base"), "<=", 1.5),
         Target(f"{moepeft.DECODE} {DT[d]}: our experts forward / transformers' (adapters disabled)",
                Rows("peft", d, moepeft.DECODE), Ratio("peft_base", "transformers_base"), "<=", 1.05))),
-    # DoRA on the PEFT rows' Llama: its overhead over the merged floor against our plain LoRA's,
+    # DoRA on the PEFT rows' Llama: its overhead over the floor against our plain LoRA's,
     # PEFT's default DoRA's and PEFT's plain LoRA's on the same model; a batch mixing DoRA and
     # plain adapters against the same batch through one plain adapter; a scale change then a step
     *(Target(f"{row} f32: DoRA overhead, ours / {what}", Rows("peft", "float32", row), Overhead(other), "<=", limit)

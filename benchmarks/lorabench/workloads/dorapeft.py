@@ -21,9 +21,10 @@ Implementations of the single-adapter rows: ``ours`` (``d0`` under ``accelerate_
 kept between calls in eval mode, stale after a scale change); ``ours_plain`` and ``peft_plain``
 (``p0``, plain LoRA, ours and PEFT's); ``ours_set_scale`` (decode only: PEFT's ``set_scale`` on
 every ``d0`` layer, alternating between two scales, then one accelerated decode step: the DoRA
-norm for a new scale) and the floor ``peft_merged`` (a copy with ``d0`` merged: no adapter
-work).  The mixed row: ``ours`` (the DoRA + plain batch), ``ours_plain`` (the same batch through
-``p0`` alone) and the floor ``peft_base`` (adapter layers disabled).  Rounds interleave the
+norm for a new scale) and the floor ``peft_base`` (the same model with its adapter layers
+disabled: no adapter work, on the same tensors; see `lorabench.peftmodel` for why not a merged
+copy).  The mixed row: ``ours`` (the DoRA + plain batch), ``ours_plain`` (the same batch through
+``p0`` alone) and the same floor.  Rounds interleave the
 implementations (a warm-up and two timed calls each) as in the PEFT rows.  Before timing, our
 logits are checked against PEFT's (the mixed batch: against PEFT run on each adapter's
 sequences alone with that adapter active).
@@ -31,7 +32,6 @@ sequences alone with that adapter active).
 
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 
@@ -49,7 +49,7 @@ ROW_BUDGET_S, QUICK_ROW_BUDGET_S, MIN_ROUNDS, MAX_ROUNDS = 40.0, 2.0, 5, 15
 
 
 class DoraModels:
-    """The DoRA + plain PEFT model and a copy with ``d0`` merged; ``use(state, adapter)`` puts
+    """The DoRA + plain PEFT model; ``use(state, adapter)`` puts
     the model in a state: "ours" (accelerated), "peft_unmerged", "peft_dora_cached" or
     "peft_base" (adapter layers disabled), with `adapter` active."""
 
@@ -90,8 +90,6 @@ class DoraModels:
                     w.mul_(1 + 0.1 * torch.randn(w.shape, generator=g))
         model.set_adapter("d0")
         self.model = model.eval()
-        self.merged = copy.deepcopy(self.model)
-        self.merged.merge_adapter()
         self.state, self.adapter, self.scale, self.acc = "peft_unmerged", "d0", SCALES[0], None
 
     step = pm.PeftModels.step  # the same decode / prefill / mixed calls as the PEFT rows
@@ -181,7 +179,7 @@ def build_dora_peft(ctx, kind, quick):
         for state, adapter in (("peft_unmerged", "d0"), ("peft_dora_cached", "d0"), ("peft_plain", "p0")):
             impls[state] = Impl(run, before=lambda s=state, a=adapter: m.use(
                 "peft_unmerged" if s == "peft_plain" else s, a))
-        impls["peft_merged"] = Impl(m.step(kind, m.merged))
+        impls["peft_base"] = Impl(m.step(kind, m.model), before=lambda: m.use("peft_base"))
 
         def logits(state):
             m.use(state)
@@ -198,7 +196,7 @@ def build_dora_peft(ctx, kind, quick):
     rounds = min(MAX_ROUNDS, int((QUICK_ROW_BUDGET_S if quick else ROW_BUDGET_S) / per_round))
     timing = {"rounds": max(1 if quick else MIN_ROUNDS, rounds), "samples": 2, "settle_s": 0.0,
               "impl_budget_s": 0.0}
-    info = {"layers": m.layers, "floor": "peft_base" if mixed else "peft_merged"}
+    info = {"layers": m.layers, "floor": "peft_base"}
     return Built(impls, 0, 0, (*check, TOL), info, timing)
 
 
