@@ -18,7 +18,9 @@ before the DoRA terms and put back after.
 import numpy as np
 
 from . import _arrays as arrays
+from . import _edge
 from . import _dtypes as dtypes
+from ._dispatch import address
 from ._entries import EntryTable
 from ._lora_cffi import ffi, lib
 from .accelerate import ServedLayer, hook_reason
@@ -31,6 +33,7 @@ __all__ = ["Kind", "Layer", "Plan"]
 
 _CALLED = ("lora_dropout", "lora_A", "lora_B")  # the ModuleDicts a Linear's forward calls into
 _add_batch_at = lib.lora_add_batch_at
+_plan_run = _edge.plan_run
 _cast, _VOIDP, NULL = ffi.cast, ffi.typeof("void *"), ffi.NULL
 
 
@@ -117,7 +120,7 @@ class Layer(ServedLayer):
     """One patched PEFT LoRA Linear or Embedding layer: views of its adapters' weights, the
     entry tables over them, and the short path for the next call."""
 
-    __slots__ = ("kind", "linear", "views", "doras", "tables", "plan")
+    __slots__ = ("kind", "linear", "views", "doras", "tables", "plan", "mixed")
 
     def __init__(self, kind, name, module):
         self.kind = kind
@@ -126,6 +129,7 @@ class Layer(ServedLayer):
         self.doras = {}   # DoRA adapter -> (key, DoraDelta over its view)
         self.tables = {}  # tuple of view ids -> (EntryTable, views kept alive)
         self.plan = None  # the short path for the next call, while nothing it depends on moves
+        self.mixed = {}   # tuple(adapter_names) -> the short path of that mixed batch
         super().__init__(kind.acc, name, module)
 
     def static_reason(self):
@@ -136,9 +140,11 @@ class Layer(ServedLayer):
         self.doras.clear()
         self.tables.clear()
         self.plan = None
+        self.mixed.clear()
 
     def unpatch(self):
         self.plan = None
+        self.mixed.clear()
         super().unpatch()
         self.views.clear()
         self.doras.clear()
@@ -280,11 +286,26 @@ class Layer(ServedLayer):
         return None
 
     def forward(self, x, *args, **kwargs):
-        plan = self.plan
-        if plan is not None and not args and not kwargs:
-            result = plan.run(x)
-            if result is not None:
-                return result
+        if not args:
+            if not kwargs:
+                plan = self.plan
+                if plan is not None:
+                    result = plan.run(x)
+                    if result is not None:
+                        return result
+            elif self.mixed and len(kwargs) == 1:  # PEFT's adapter_names, a batch seen before
+                names = kwargs.get("adapter_names")
+                if type(names) is list or type(names) is tuple:
+                    try:
+                        key = tuple(names)
+                        plan = self.mixed.get(key)
+                    except TypeError:  # unhashable names: PEFT's forward says what it thinks
+                        plan = None
+                    if plan is not None:
+                        result = plan.run(x)
+                        if result is not None:
+                            return result
+                        del self.mixed[key]
         return self._forward(x, *args, **kwargs)
 
     def _forward(self, x, *args, **kwargs):
@@ -331,6 +352,12 @@ class Layer(ServedLayer):
             result = _writable(m.base_layer(x, *args, **kwargs), x, m.base_layer,
                                acc._module_globals)
             result_dtype_ok = self._mixed(x, result, adapter_names, names, alora_offsets)
+            if (result_dtype_ok and names and self.linear and not args and not kwargs
+                    and x.dim() > 1 and alora_offsets is None
+                    and not any(self._is_alora(a) or m.use_dora.get(a, False) for a in names)):
+                if len(self.mixed) >= 16:  # batches of other compositions: start afresh
+                    self.mixed.clear()
+                self.mixed[tuple(adapter_names)] = Plan(self, names, x.dim(), adapter_names)
         elif m.merged:
             result = m.base_layer(x, *args, **kwargs)
         else:
@@ -509,13 +536,23 @@ class Plan:
     (the common case) through ``lora_add_batch_at`` on the data pointers, bit for bit the
     stack's call (one entry of one delta, its scale rounded once to float32), several through
     the stack's call.  Anything else, or a status other than 0, goes to the entry table's
-    checked path, which raises the precise error."""
+    checked path, which raises the precise error.
+
+    A mixed plan (``adapter_names``: one PEFT mixed batch, row b on its own adapter) holds the
+    same while the batch's composition is the same: the entry table of its adapters, one id per
+    row, and the names it lacks (still absent from the layer); it runs in C only, and anything
+    else goes to the full path.
+
+    A plain plan (no DoRA) runs first in C (``lora._edge.plan_run``, csrc/python/edge_peft.h):
+    the same checks in the same order, the base call, the same tail.  It declines grad mode and
+    any x it does not take before the base call (``run`` then goes on in Python from the start),
+    and hands a base result it does not take, or a C refusal, to `_tail`."""
 
     __slots__ = ("layer", "module", "active", "names", "mods", "params", "ptrs", "scalings",
                  "table", "dropout_free", "tensor", "grad_enabled", "bump", "codes",
-                 "ndim", "hooks", "dora", "rows", "cols", "single", "args")
+                 "ndim", "hooks", "dora", "rows", "cols", "single", "args", "c", "ids")
 
-    def __init__(self, layer, names, ndim):
+    def __init__(self, layer, names, ndim, adapter_names=None):
         m = layer.module
         self.layer, self.module = layer, m
         torch = layer.acc._torch
@@ -532,7 +569,13 @@ class Plan:
         self.ptrs = tuple((pa.data_ptr(), pb.data_ptr()) for pa, pb in self.params)
         self.scalings = tuple(m.scaling[a] for a in names)
         views = [layer._served(a) for a in names]
-        table = self.table = layer.table(views, True)
+        table = self.table = layer.table(views, adapter_names is None)
+        self.ids, absent = None, ()
+        if adapter_names is not None:  # row b's entry, -1 for "__base__" and names not held
+            slot = {a: i for i, a in enumerate(names)}
+            self.ids = np.fromiter((slot.get(a, -1) for a in adapter_names), np.int64,
+                                   len(adapter_names))
+            absent = tuple(a for a in dict.fromkeys(adapter_names) if a not in slot)
         # DoRA: (name, magnitude module, the tensors with their data pointers and versions)
         weight = m._modules["base_layer"]._parameters.get("weight")
         watch = []
@@ -548,17 +591,31 @@ class Plan:
         self.rows, self.cols = table.base_shape
         self.single = None  # (lora_delta *, float scale) for the one-adapter call
         self.args = None    # the stack call's fixed arguments (n_kernel, first, ptrs, scales)
+        self.c = None       # plan_run's tuple (the fields of csrc/python/edge_peft.h, in order)
         if not self.dora:
             scales = table.scales()
-            if table.n_kernel == 1 and len(table.members) == 1:
+            if table.n_kernel == 1 and len(table.members) == 1 and self.ids is None:
                 self.single = (table.members[0].ptr, scales[0])
             self.args = (table.n_kernel, table.first, table.ptrs, scales)
+            single = self.single
+            self.c = (m, self.active, self.dropout_free, self.names, self.mods, self.params,
+                      self.ptrs, self.scalings, ndim, self.rows, self.cols, self.hooks,
+                      address(single[0]) if single is not None else 0,
+                      float(single[1]) if single is not None else 0.0,
+                      table._edge, table._scales_pair, self.ids, absent, table)
 
     def run(self, x):
+        c = self.c
+        if c is not None:
+            got = _plan_run(c, x)
+            if got is not None:
+                return got if type(got) is not tuple else self._tail(x, got[0], got[1])
+        if self.ids is not None:  # a mixed batch: the full path
+            return None
         m = self.module
         d = m.__dict__
         if (d.get("_active_adapter") is not self.active or d.get("_disable_adapters")
-                or d.get("merged_adapters") or (d.get("training") and not self.dropout_free)):
+                or d.get("merged_adapters")):
             return None
         tensor = self.tensor
         if type(x) is not tensor or not x.is_cpu or x.dim() != self.ndim:
@@ -581,7 +638,8 @@ class Plan:
                     or ma._forward_hooks or ma._forward_pre_hooks or mb._forward_hooks
                     or mb._forward_pre_hooks or md._forward_hooks or md._forward_pre_hooks
                     or ma._parameters["weight"] is not pa or mb._parameters["weight"] is not pb
-                    or pa.data_ptr() != ptr_a or pb.data_ptr() != ptr_b or scaling[a] != s):
+                    or pa.data_ptr() != ptr_a or pb.data_ptr() != ptr_b or scaling[a] != s
+                    or (md.training and not self.dropout_free)):
                 return None
         if self.dora:
             mags = m._modules["lora_magnitude_vector"]._modules
@@ -594,12 +652,20 @@ class Plan:
                     return None
                 if self.grad_enabled() and ts[1].requires_grad:
                     return None
-        result = base(x)
+        return self._tail(x, base(x), base)
+
+    def _tail(self, x, result, base):
+        """After the base call: the LoRA term into `result` (the base layer's output), or None
+        when its dtype is not one the kernels write."""
         codes = self.codes
         oc = codes.get(result.dtype)
         if oc is None:
             return None
-        args = self.args
+        if self.ids is not None:  # a mixed batch C did not take: the checked bank call
+            result = _writable(result, x, base, self.hooks)
+            self.table.apply_batch(x, result, self.ids)
+            return result
+        args, tensor = self.args, self.tensor
         if args is not None and type(result) is tensor and not base._forward_hooks:
             # the fast tail: x and result as plain contiguous CPU tensors of the stack's shapes
             xc = codes.get(x.dtype)

@@ -573,6 +573,163 @@ def test_the_short_path_bumps_the_version_counter_under_grad_mode():
         assert "base_model.model.model.layers.0.self_attn.q_proj" in acc.accelerated
 
 
+def _record_plan_runs(monkeypatch):
+    """The answers of the short path's C entry (lora._edge.plan_run), as "output" (served in C),
+    "none" (declined before the base call) or "tail" (base result handed to the Python tail)."""
+    from lora import _accel_lora
+
+    seen, real = [], _accel_lora._plan_run
+
+    def recording(plan, x):
+        got = real(plan, x)
+        seen.append("none" if got is None else "tail" if type(got) is tuple else "output")
+        return got
+
+    monkeypatch.setattr(_accel_lora, "_plan_run", recording)
+    return seen
+
+
+class _CountingBase(torch.nn.Module):
+    """A base layer that counts its calls (`kind` "same": returns its input, a square layer's
+    output sharing x's memory; "raise": raises after the first `ok` calls)."""
+
+    def __init__(self, inner, kind=None, ok=0):
+        super().__init__()
+        self.inner, self.kind, self.ok, self.calls = inner, kind, ok, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.kind == "same":
+            return x
+        if self.kind == "raise" and self.calls > self.ok:
+            raise RuntimeError("the base layer failed")
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("active", ["a", ("a", "b")])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 64), (2, 5, 64)])
+def test_the_short_path_runs_in_c_with_the_python_plans_bits(monkeypatch, active, shape):
+    """After the first call the layer's short path is taken in C (lora._edge.plan_run) for a
+    decode step, 2-D and 3-D batches, one adapter and a stack of two: the base layer runs once a
+    call, and the bits are those of the same plan run in Python and of the full path."""
+    model = peft_model(seed=19)
+    model.base_model.set_adapter(list(active) if isinstance(active, tuple) else active)
+    q = q_proj(model)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+    counting = q.base_layer = _CountingBase(q.base_layer)
+    with torch.inference_mode():
+        ref = q(x)
+        with lora.accelerate_peft(model) as acc:
+            seen = _record_plan_runs(monkeypatch)
+            first = q(x)  # the full path: it leaves the plan behind
+            plan = acc._layers[id(q)].plan
+            assert plan is not None and plan.c is not None
+            counting.calls = 0
+            got = [q(x) for _ in range(3)]
+            assert seen == ["output"] * 3 and counting.calls == 3
+            plan.c = None  # the same plan in Python
+            in_python = q(x)
+    for g in got:
+        assert torch.equal(g, first) and torch.equal(g, in_python)
+    close(first, ref, f"{active} {shape}")
+
+
+def test_the_short_path_in_c_declines_before_the_base_call_when_state_moves(monkeypatch):
+    """What PEFT's forward depends on, changed between two calls: the C path declines before
+    the base layer runs (once per call), and the Python path gives PEFT's values."""
+    model = peft_model(seed=20)
+    model.base_model.set_adapter("a")
+    q = q_proj(model)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
+    counting = q.base_layer = _CountingBase(q.base_layer)
+    lora_b = q.lora_B["a"]
+
+    def hook_on_lora_a():
+        return q.lora_A["a"].register_forward_hook(lambda *a: None)
+
+    def new_b():  # the same values on new memory
+        lora_b.weight.data = lora_b.weight.data.clone()
+
+    def scaling():
+        q.scaling["a"] = 0.5 * q.scaling["a"]
+
+    changes = {"another active adapter": lambda: model.base_model.set_adapter("b"),
+               "a hook on lora_A": hook_on_lora_a, "lora_B on new memory": new_b,
+               "the scaling": scaling,
+               "a global forward hook": lambda: torch.nn.modules.module.register_module_forward_hook(
+                   lambda *a: None)}
+    for what, change in changes.items():
+        model.base_model.set_adapter("a")
+        with torch.no_grad(), lora.accelerate_peft(model) as acc:
+            q(x)
+            seen = _record_plan_runs(monkeypatch)
+            assert q(x) is not None and seen == ["output"], what
+            handle = change()
+            try:
+                with torch.no_grad():
+                    counting.calls = 0
+                    got = q(x)
+                assert seen[1:] == ["none"] and counting.calls == 1, what
+                acc.restore()
+                with torch.no_grad():
+                    ref = q(x)
+            finally:
+                if handle is not None:
+                    handle.remove()
+        close(got, ref, what)
+        monkeypatch.undo()
+    with torch.no_grad(), lora.accelerate_peft(model):
+        q(x)
+        seen = _record_plan_runs(monkeypatch)
+        q(x.t().contiguous().t())  # an x the C path does not take
+        with torch.enable_grad():
+            q(x)  # grad mode: the Python plan's rules
+    assert seen == ["none", "none"]
+
+
+def test_the_short_path_in_c_hands_a_base_result_it_does_not_take_to_the_python_tail(monkeypatch):
+    """A base result the C path does not write (a bf16 output, a strided one) and a call C
+    refuses (a base layer returning its input: x and out share memory) go to the Python tail,
+    with the base layer run once: PEFT's values, x untouched."""
+    model = peft_model(seed=21)
+    model.base_model.set_adapter("a")
+    q = q_proj(model)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(7))
+    inner = q.base_layer
+    for kind in ("strided", "same"):
+        base = _OddBase(inner, kind) if kind != "same" else _CountingBase(inner, "same")
+        counting = q.base_layer = _CountingBase(base)
+        try:
+            with torch.no_grad():
+                ref = q(x.clone())
+                with lora.accelerate_peft(model):
+                    q(x)
+                    seen = _record_plan_runs(monkeypatch)
+                    counting.calls = 0
+                    kept = x.clone()
+                    got = q(x)
+            assert seen == ["tail"] and counting.calls == 1, kind
+            assert torch.equal(x, kept), f"{kind}: x was written"
+            close(got, ref, kind)
+        finally:
+            q.base_layer = inner
+            monkeypatch.undo()
+
+
+def test_an_error_of_the_base_layer_propagates_from_the_short_path_in_c():
+    model = peft_model(seed=22)
+    model.base_model.set_adapter("a")
+    q = q_proj(model)
+    x = torch.randn(2, 64)
+    q.base_layer = _CountingBase(q.base_layer, "raise", ok=1)
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        q(x)
+        assert acc._layers[id(q)].plan is not None
+        with pytest.raises(RuntimeError, match="the base layer failed"):
+            q(x)
+        assert q.base_layer.calls == 2
+
+
 def test_a_forward_kept_by_a_wrapper_gives_peft_back_after_restore():
     """Something that wrapped the patched forward (and so keeps it) calls PEFT's own forward once
     the acceleration is restored, and no longer holds the served layer."""

@@ -10,6 +10,8 @@
  * pointers lora._lora_cffi hands over at import (one library state: the ISA choice, the team,
  * the plans).
  *
+ * plan_run (edge_peft.h) is the short path of a PEFT LoRA Linear layer under accelerate_peft.
+ *
  * Each entry takes only the common case: exact ndarray or torch.Tensor types, the exact shapes,
  * C-contiguous, dtypes the kernels read in place, out writeable (a tensor: on the CPU, no
  * autograd leaf, without the neg bit).  For anything else it returns EDGE_DECLINE and the
@@ -421,6 +423,8 @@ done:
     return st == -2 ? NULL : PyLong_FromLong(st);
 }
 
+#include "edge_peft.h"
+
 static int add_pairs(dtype_table *t, PyObject *pairs)
 {
     if (!PyTuple_Check(pairs)) {
@@ -523,6 +527,8 @@ static PyMethodDef methods[] = {
      "add_batch_to(delta address, scale, x, out) -> C status"},
     {"apply_batch", edge_apply_batch, METH_VARARGS,
      "apply_batch(table, scales, x, out, ids, pos, batched) -> C status"},
+    {"plan_run", edge_plan_run, METH_VARARGS,
+     "plan_run(PEFT layer plan, x) -> the output, None (declined), or (result, base)"},
     {"setup", edge_setup, METH_VARARGS,
      "setup(ndarray, dtype pairs, int64, float64, (lora_add, lora_add_batch, lora_apply_batch))"},
     {"add_numpy_dtypes", edge_add_numpy_dtypes, METH_O, "add_numpy_dtypes(dtype pairs)"},
@@ -542,7 +548,7 @@ PyMODINIT_FUNC PyInit__edge(void)
 {
     E.s_requires_grad = PyUnicode_InternFromString("requires_grad");
     E.s_is_neg = PyUnicode_InternFromString("is_neg");
-    if (!E.s_requires_grad || !E.s_is_neg)
+    if (!E.s_requires_grad || !E.s_is_neg || plan_names() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "DECLINE", EDGE_DECLINE) < 0) {
