@@ -305,7 +305,7 @@ class Layer(ServedLayer):
                         result = plan.run(x)
                         if result is not None:
                             return result
-                        del self.mixed[key]
+                        self.mixed.pop(key, None)  # another thread may have dropped it
         return self._forward(x, *args, **kwargs)
 
     def _forward(self, x, *args, **kwargs):

@@ -112,10 +112,12 @@ static int hook_free(PyObject *mod, int *miss)
 }
 
 /* the checks of Plan.run before its base call, in its order: 0 with *base (a new reference),
- * EDGE_DECLINE, or -2 */
+ * EDGE_DECLINE, or -2.  What it reads from a dict it holds by a strong reference while it
+ * calls anything that might run Python code. */
 static int plan_check(PyObject *plan, PyObject **base)
 {
     PyObject *m = PyTuple_GetItem(plan, PLAN_MODULE), *d = PyObject_GetAttr(m, PN.dict);
+    PyObject *modules = NULL, *b = NULL, *scaling = NULL;
     int miss = EDGE_DECLINE;
     *base = NULL;
     if (d == NULL || !PyDict_Check(d))
@@ -132,9 +134,11 @@ static int plan_check(PyObject *plan, PyObject **base)
             goto out;
     }
     const int dropout_free = PyTuple_GetItem(plan, PLAN_DROPOUT_FREE) == Py_True;
-    PyObject *modules = PyDict_GetItemWithError(d, PN.modules);
-    PyObject *b = modules != NULL && PyDict_Check(modules)
-                      ? PyDict_GetItemWithError(modules, PN.base_layer) : NULL;
+    modules = PyDict_GetItemWithError(d, PN.modules);
+    Py_XINCREF(modules);
+    b = modules != NULL && PyDict_Check(modules) ? PyDict_GetItemWithError(modules, PN.base_layer)
+                                                 : NULL;
+    Py_XINCREF(b);
     if (b == NULL)
         goto out;
     /* autograd: the Python plan's rules (what records, the version counter) */
@@ -159,7 +163,8 @@ static int plan_check(PyObject *plan, PyObject **base)
     PyObject *names = PyTuple_GetItem(plan, PLAN_NAMES), *mods = PyTuple_GetItem(plan, PLAN_MODS);
     PyObject *params = PyTuple_GetItem(plan, PLAN_PARAMS), *ptrs = PyTuple_GetItem(plan, PLAN_PTRS);
     PyObject *scalings = PyTuple_GetItem(plan, PLAN_SCALINGS);
-    PyObject *scaling = PyDict_GetItemWithError(d, PN.scaling);
+    scaling = PyDict_GetItemWithError(d, PN.scaling);
+    Py_XINCREF(scaling);
     int ok = scaling != NULL && PyDict_Check(scaling);
     for (Py_ssize_t q = 0; ok && q < PyTuple_Size(names); q++) {
         PyObject *a = PyTuple_GetItem(names, q), *mq = PyTuple_GetItem(mods, q);
@@ -181,7 +186,9 @@ static int plan_check(PyObject *plan, PyObject **base)
         }
         if (ok) {
             PyObject *s = PyDict_GetItemWithError(scaling, a);
+            Py_XINCREF(s);
             ok = s != NULL && PyObject_RichCompareBool(s, PyTuple_GetItem(scalings, q), Py_EQ) == 1;
+            Py_XDECREF(s);
         }
     }
     PyObject *absent = PyTuple_GetItem(plan, PLAN_ABSENT);
@@ -192,10 +199,13 @@ static int plan_check(PyObject *plan, PyObject **base)
         Py_DECREF(dicts[i]);
     if (!ok)
         goto out;
-    Py_INCREF(b);
     *base = b;
+    b = NULL;
     miss = 0;
 out:
+    Py_XDECREF(b);
+    Py_XDECREF(scaling);
+    Py_XDECREF(modules);
     Py_XDECREF(d);
     return miss != 0 && PyErr_Occurred() ? plan_miss() : miss;
 }
