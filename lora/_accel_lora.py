@@ -35,6 +35,13 @@ _CALLED = ("lora_dropout", "lora_A", "lora_B")  # the ModuleDicts a Linear's for
 _add_batch_at = lib.lora_add_batch_at
 _plan_run = _edge.plan_run
 _cast, _VOIDP, NULL = ffi.cast, ffi.typeof("void *"), ffi.NULL
+_CODE_PAIRS = {}  # (A dtype code, B dtype code) tuples, shared by every plan
+
+
+def _key(ta, tb):
+    """What a view of A and B over their memory depends on: memory, dtypes, shapes, strides."""
+    return (ta.data_ptr(), tb.data_ptr(), ta.dtype, tb.dtype, tuple(ta.shape), tuple(tb.shape),
+            ta.stride(), tb.stride())
 
 
 def _writable(result, x, base, g):
@@ -164,8 +171,7 @@ class Layer(ServedLayer):
         DoraDelta over that view for a DoRA adapter, or a reason string when they cannot be read
         in place."""
         ta, tb = self._adapter_tensors(a)
-        key = (ta.data_ptr(), tb.data_ptr(), ta.dtype, tb.dtype, tuple(ta.shape), tuple(tb.shape),
-               ta.stride(), tb.stride())
+        key = _key(ta, tb)
         got = self.views.get(a)
         if got is not None and got[0] == key:
             delta = got[1]
@@ -313,10 +319,11 @@ class Layer(ServedLayer):
         the common case (plain active adapters, nothing in kwargs) so the next call is short."""
         m = self.module
         acc = self.acc
-        self.plan = None
         if not acc._active:  # pragma: no cover - restore() removed the patch
             return self.original(x, *args, **kwargs)
         adapter_names = kwargs.get("adapter_names")
+        if adapter_names is None:  # a mixed call leaves the active adapters' plan alone
+            self.plan = None
         keys = m.lora_A if self.linear else m.lora_embedding_A
         if len(self.views) > len(keys):  # deleted adapters: let their memory go
             for a in [a for a in self.views if a not in keys]:
@@ -355,9 +362,11 @@ class Layer(ServedLayer):
             if (result_dtype_ok and names and self.linear and not args and not kwargs
                     and x.dim() > 1 and alora_offsets is None
                     and not any(self._is_alora(a) or m.use_dora.get(a, False) for a in names)):
-                if len(self.mixed) >= 16:  # batches of other compositions: start afresh
-                    self.mixed.clear()
-                self.mixed[tuple(adapter_names)] = Plan(self, names, x.dim(), adapter_names)
+                plan = Plan(self, names, x.dim(), adapter_names)
+                if plan.ok:
+                    if len(self.mixed) >= 16:  # batches of other compositions: start afresh
+                        self.mixed.clear()
+                    self.mixed[tuple(adapter_names)] = plan
         elif m.merged:
             result = m.base_layer(x, *args, **kwargs)
         else:
@@ -369,7 +378,8 @@ class Layer(ServedLayer):
                         and alora_offsets is None and not any(self._is_alora(a) for a in names)
                         and not (any(m.use_dora.get(a, False) for a in names)
                                  and getattr(m.get_base_layer(), "bias", None) is not None)):
-                    self.plan = Plan(self, names, x.dim())
+                    plan = Plan(self, names, x.dim())
+                    self.plan = plan if plan.ok else None
         if not result_dtype_ok:  # an output dtype the kernels do not write: PEFT computes it
             acc._status[self.name] = f"the layer's output is {result.dtype}"
             kwargs["adapter_names"] = adapter_names
@@ -548,8 +558,8 @@ class Plan:
     any x it does not take before the base call (``run`` then goes on in Python from the start),
     and hands a base result it does not take, or a C refusal, to `_tail`."""
 
-    __slots__ = ("layer", "module", "active", "names", "mods", "params", "ptrs", "scalings",
-                 "table", "dropout_free", "tensor", "grad_enabled", "bump", "codes",
+    __slots__ = ("layer", "module", "active", "names", "mods", "params", "keys", "scalings",
+                 "table", "tensor", "grad_enabled", "bump", "codes", "ok",
                  "ndim", "hooks", "dora", "rows", "cols", "single", "args", "c", "ids")
 
     def __init__(self, layer, names, ndim, adapter_names=None):
@@ -559,16 +569,28 @@ class Plan:
         self.tensor, self.grad_enabled = torch.Tensor, torch.is_grad_enabled
         self.codes = arrays.TORCH_CODES or arrays.torch_init()
         self.bump = arrays.version_bump()
-        self.active = m.__dict__.get("_active_adapter")
-        self.names = tuple(names)
+        # What the plan checks is read here, once, from the live state, which another thread
+        # may change meanwhile: the plan is kept (``ok``) only when what it read agrees with
+        # itself (the adapters with the active value, the views with the tensors, the scales
+        # in the C call with the scaling).
+        active = m.__dict__.get("_active_adapter")
+        self.active = list(active) if isinstance(active, list) else active  # PEFT keeps the
+        self.names = tuple(names)                                            # caller's list
         lora_a, lora_b = m._modules["lora_A"]._modules, m._modules["lora_B"]._modules
         drops = m._modules["lora_dropout"]._modules
         self.mods = tuple((lora_a[a], lora_b[a], drops[a]) for a in names)
         self.params = tuple((ma._parameters["weight"], mb._parameters["weight"])
                             for ma, mb, _ in self.mods)
-        self.ptrs = tuple((pa.data_ptr(), pb.data_ptr()) for pa, pb in self.params)
         self.scalings = tuple(m.scaling[a] for a in names)
-        views = [layer._served(a) for a in names]
+        pairs = [layer.views.get(a) for a in names]  # (key, view): one read each
+        self.keys = tuple(p[0] if p is not None else None for p in pairs)
+        held = [a for a in ([self.active] if isinstance(self.active, str) else self.active or ())
+                if a in lora_a] if adapter_names is None else [
+            a for a in dict.fromkeys(adapter_names) if a != "__base__" and a in lora_a]
+        self.ok = (held == list(names) and None not in pairs
+                   and all(k == _key(pa, pb) for k, (pa, pb) in zip(self.keys, self.params)))
+        views = [layer._served(a) if m.use_dora.get(a, False) else p[1]
+                 for a, p in zip(names, pairs)] if self.ok else [layer._served(a) for a in names]
         table = self.table = layer.table(views, adapter_names is None)
         self.ids, absent = None, ()
         if adapter_names is not None:  # row b's entry, -1 for "__base__" and names not held
@@ -585,7 +607,6 @@ class Plan:
                 ts = (weight, mag._parameters["weight"], pa, pb)
                 watch.append((a, mag, ts, tuple((t.data_ptr(), t._version) for t in ts)))
         self.dora = tuple(watch)
-        self.dropout_free = all(getattr(drops[a], "p", 0) == 0 for a in names)
         self.ndim = ndim
         self.hooks = layer.acc._module_globals
         self.rows, self.cols = table.base_shape
@@ -594,12 +615,17 @@ class Plan:
         self.c = None       # plan_run's tuple (the fields of csrc/python/edge_peft.h, in order)
         if not self.dora:
             scales = table.scales()
+            self.ok = self.ok and [scales[i] for i in range(len(names))] == [
+                float(v) for v in self.scalings]
             if table.n_kernel == 1 and len(table.members) == 1 and self.ids is None:
                 self.single = (table.members[0].ptr, scales[0])
             self.args = (table.n_kernel, table.first, table.ptrs, scales)
             single = self.single
-            self.c = (m, self.active, self.dropout_free, self.names, self.mods, self.params,
-                      self.ptrs, self.scalings, ndim, self.rows, self.cols, self.hooks,
+            codes = self.codes
+            pairs = tuple(_CODE_PAIRS.setdefault((codes[k[2]], codes[k[3]]), (codes[k[2]], codes[k[3]]))
+                          for k in self.keys)
+            self.c = (m, self.active, self.names, self.mods, self.params, self.keys, pairs,
+                      self.scalings, ndim, self.rows, self.cols, self.hooks,
                       address(single[0]) if single is not None else 0,
                       float(single[1]) if single is not None else 0.0,
                       table._edge, table._scales_pair, self.ids, absent, table)
@@ -614,7 +640,7 @@ class Plan:
             return None
         m = self.module
         d = m.__dict__
-        if (d.get("_active_adapter") is not self.active or d.get("_disable_adapters")
+        if (d.get("_active_adapter") != self.active or d.get("_disable_adapters")
                 or d.get("merged_adapters")):
             return None
         tensor = self.tensor
@@ -632,14 +658,14 @@ class Plan:
         lora_b = m._modules["lora_B"]._modules
         drops = m._modules["lora_dropout"]._modules
         scaling = m.scaling
-        for a, (ma, mb, md), (pa, pb), (ptr_a, ptr_b), s in zip(
-                self.names, self.mods, self.params, self.ptrs, self.scalings):
+        for a, (ma, mb, md), (pa, pb), key, s in zip(
+                self.names, self.mods, self.params, self.keys, self.scalings):
             if (lora_a.get(a) is not ma or lora_b.get(a) is not mb or drops.get(a) is not md
                     or ma._forward_hooks or ma._forward_pre_hooks or mb._forward_hooks
                     or mb._forward_pre_hooks or md._forward_hooks or md._forward_pre_hooks
                     or ma._parameters["weight"] is not pa or mb._parameters["weight"] is not pb
-                    or pa.data_ptr() != ptr_a or pb.data_ptr() != ptr_b or scaling[a] != s
-                    or (md.training and not self.dropout_free)):
+                    or _key(pa, pb) != key or scaling[a] != s
+                    or (md.training and getattr(md, "p", 0))):
                 return None
         if self.dora:
             mags = m._modules["lora_magnitude_vector"]._modules

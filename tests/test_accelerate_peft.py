@@ -687,6 +687,51 @@ def test_the_short_path_in_c_declines_before_the_base_call_when_state_moves(monk
     assert seen == ["none", "none"]
 
 
+@pytest.mark.parametrize("in_c", [True, False])
+def test_the_short_path_sees_changes_that_keep_the_objects(monkeypatch, in_c):
+    """Changes that keep every object and data pointer the plan holds: PEFT's set_adapter
+    given the same list again after it changed in place, a rank cut by slicing `.data` (same
+    memory, another shape), a view with other strides, and a dropout's p raised in training
+    mode.  The short path (in C, and the same plan in Python) notices each: PEFT's values."""
+    for what in ("same list", "rank cut", "strides", "dropout p"):
+        model = peft_model(seed=23)
+        names = ["a"]
+        model.base_model.set_adapter(names)
+        q = q_proj(model)
+        x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(8))
+        with torch.no_grad(), lora.accelerate_peft(model) as acc:
+            q(x)
+            plan = acc._layers[id(q)].plan
+            assert plan is not None
+            if not in_c:
+                monkeypatch.setattr(plan, "c", None)
+            seen = _record_plan_runs(monkeypatch)
+            q(x)
+            assert seen == (["output"] if in_c else []), what
+            a, b = q.lora_A["a"].weight, q.lora_B["a"].weight
+            if what == "same list":
+                names.append("b")
+                model.base_model.set_adapter(names)
+                model.requires_grad_(False)
+            elif what == "rank cut":
+                a.data, b.data = a.data[:2], b.data[:, :2]
+            elif what == "strides":  # the same memory read as A^T's layout
+                a.data = torch.as_strided(a.data, a.shape, (1, a.shape[0]))
+            else:
+                q.lora_dropout["a"] = torch.nn.Dropout(0.0)
+                q(x)  # a plan over the new dropout module, p = 0
+                q.lora_dropout["a"].p = 0.9
+                model.train()
+            torch.manual_seed(0)
+            got = q(x)
+            acc.restore()
+            torch.manual_seed(0)
+            ref = q(x)
+            model.eval()
+        monkeypatch.undo()
+        close(got, ref, what)
+
+
 def test_the_short_path_in_c_hands_a_base_result_it_does_not_take_to_the_python_tail(monkeypatch):
     """A base result the C path does not write (a bf16 output, a strided one) and a call C
     refuses (a base layer returning its input: x and out share memory) go to the Python tail,

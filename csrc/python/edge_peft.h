@@ -28,12 +28,13 @@
 
 enum {
     PLAN_MODULE,       /* the PEFT layer */
-    PLAN_ACTIVE,       /* its _active_adapter object when the plan was made */
-    PLAN_DROPOUT_FREE, /* True: every adapter's dropout has p = 0 (else each must be in eval) */
+    PLAN_ACTIVE,       /* a copy of its _active_adapter when the plan was made (compared by ==:
+                          PEFT keeps the caller's list, which may change in place) */
     PLAN_NAMES,        /* tuple of adapter names */
     PLAN_MODS,         /* tuple of (lora_A[a], lora_B[a], lora_dropout[a]) */
     PLAN_PARAMS,       /* tuple of (A weight, B weight) parameters */
-    PLAN_PTRS,         /* tuple of (A data_ptr, B data_ptr) */
+    PLAN_KEYS,         /* tuple of the views' keys (see same_tensor) */
+    PLAN_CODES,        /* tuple of (A dtype code, B dtype code) */
     PLAN_SCALINGS,     /* tuple of the scaling values */
     PLAN_NDIM,         /* x's number of axes */
     PLAN_ROWS,
@@ -53,7 +54,7 @@ enum {
 
 static struct {
     PyObject *dict, *active, *disable, *merged, *training, *modules, *base_layer, *lora_a,
-        *lora_b, *dropout, *fwd_hooks, *fwd_pre_hooks, *parameters, *weight, *data_ptr,
+        *lora_b, *dropout, *fwd_hooks, *fwd_pre_hooks, *parameters, *weight, *p,
         *scaling, *g_fwd_hooks, *g_fwd_pre_hooks;
 } PN;
 
@@ -65,7 +66,7 @@ static int plan_names(void)
         {&PN.training, "training"}, {&PN.modules, "_modules"}, {&PN.base_layer, "base_layer"},
         {&PN.lora_a, "lora_A"}, {&PN.lora_b, "lora_B"}, {&PN.dropout, "lora_dropout"},
         {&PN.fwd_hooks, "_forward_hooks"}, {&PN.fwd_pre_hooks, "_forward_pre_hooks"},
-        {&PN.parameters, "_parameters"}, {&PN.weight, "weight"}, {&PN.data_ptr, "data_ptr"},
+        {&PN.parameters, "_parameters"}, {&PN.weight, "weight"}, {&PN.p, "p"},
         {&PN.scaling, "scaling"}, {&PN.g_fwd_hooks, "_global_forward_hooks"},
         {&PN.g_fwd_pre_hooks, "_global_forward_pre_hooks"},
     };
@@ -92,6 +93,42 @@ static int attr_true(PyObject *o, PyObject *name, int *miss)
     if (t < 0)
         *miss = plan_miss();
     return t;
+}
+
+/* Parameter i (0: A, 1: B) of an adapter still holds what the plan's view of it reads: `key`
+ * is the view's (A address, B address, A dtype, B dtype, A shape, B shape, A strides, B
+ * strides), `code` the dtype's code.  Read from one DLPack export; a stride counts only on an
+ * axis longer than 1 (the view reads no other, and exports may normalise those). */
+static int same_tensor(PyObject *p, PyObject *key, int i, PyObject *code, int *miss)
+{
+    PyObject *cap = PyObject_CallFunctionObjArgs(E.to_dlpack, p, NULL);
+    if (cap == NULL) {
+        *miss = plan_miss();
+        return 0;
+    }
+    const dl_managed *m = PyCapsule_GetPointer(cap, "dltensor");
+    int same = 0;
+    if (m != NULL && PyTuple_Check(key) && PyTuple_Size(key) == 8) {
+        const dl_tensor *d = &m->t;
+        PyObject *shape = PyTuple_GetItem(key, 4 + i), *strides = PyTuple_GetItem(key, 6 + i);
+        same = d->device.device_type == DL_CPU && PyTuple_Check(shape) && PyTuple_Check(strides)
+               && PyTuple_Size(shape) == d->ndim && PyTuple_Size(strides) == d->ndim
+               && PyLong_AsVoidPtr(PyTuple_GetItem(key, i)) == (char *)d->data + d->byte_offset
+               && PyLong_AsLong(code) == dl_code(d->dtype);
+        int64_t expect = 1;
+        for (int k = d->ndim - 1; same && k >= 0; k--) {
+            const int64_t st = d->strides ? d->strides[k] : expect;
+            same = PyLong_AsLongLong(PyTuple_GetItem(shape, k)) == d->shape[k]
+                   && (d->shape[k] == 1 || PyLong_AsLongLong(PyTuple_GetItem(strides, k)) == st);
+            expect *= d->shape[k];
+        }
+    }
+    Py_DECREF(cap);
+    if (PyErr_Occurred()) {
+        *miss = plan_miss();
+        return 0;
+    }
+    return same;
 }
 
 /* dict[key] (borrowed) where dict is attribute `name` of `o`; NULL (and *miss) when absent */
@@ -122,9 +159,14 @@ static int plan_check(PyObject *plan, PyObject **base)
     *base = NULL;
     if (d == NULL || !PyDict_Check(d))
         goto out;
-    /* the active adapters, the disable and merge flags */
+    /* the active adapters (by value), the disable and merge flags */
     PyObject *v = PyDict_GetItemWithError(d, PN.active);
-    if ((v == NULL ? Py_None : v) != PyTuple_GetItem(plan, PLAN_ACTIVE) || PyErr_Occurred())
+    if (v == NULL && PyErr_Occurred())
+        goto out;
+    Py_INCREF(v = v == NULL ? Py_None : v);
+    int same = PyObject_RichCompareBool(v, PyTuple_GetItem(plan, PLAN_ACTIVE), Py_EQ);
+    Py_DECREF(v);
+    if (same != 1)
         goto out;
     PyObject *flags[2] = {PN.disable, PN.merged};
     for (int i = 0; i < 2; i++) {
@@ -133,7 +175,6 @@ static int plan_check(PyObject *plan, PyObject **base)
         if (t != 0)
             goto out;
     }
-    const int dropout_free = PyTuple_GetItem(plan, PLAN_DROPOUT_FREE) == Py_True;
     modules = PyDict_GetItemWithError(d, PN.modules);
     Py_XINCREF(modules);
     b = modules != NULL && PyDict_Check(modules) ? PyDict_GetItemWithError(modules, PN.base_layer)
@@ -148,8 +189,8 @@ static int plan_check(PyObject *plan, PyObject **base)
     PyObject *g = PyTuple_GetItem(plan, PLAN_HOOKS);
     if (attr_true(g, PN.g_fwd_hooks, &miss) != 0 || attr_true(g, PN.g_fwd_pre_hooks, &miss) != 0)
         goto out;
-    /* the adapters' modules (no hooks; a dropout with p > 0 in eval mode), parameters (the same
-     * objects on the same memory) and scaling */
+    /* the adapters' modules (no hooks; a dropout in eval mode, or with p = 0), parameters (the
+     * same objects on the same memory, of the same dtype, shape and strides) and scaling */
     PyObject *sub[3] = {PN.lora_a, PN.lora_b, PN.dropout}, *dicts[3];
     for (int i = 0; i < 3; i++) {
         PyObject *md = PyDict_GetItemWithError(modules, sub[i]);
@@ -161,28 +202,42 @@ static int plan_check(PyObject *plan, PyObject **base)
         }
     }
     PyObject *names = PyTuple_GetItem(plan, PLAN_NAMES), *mods = PyTuple_GetItem(plan, PLAN_MODS);
-    PyObject *params = PyTuple_GetItem(plan, PLAN_PARAMS), *ptrs = PyTuple_GetItem(plan, PLAN_PTRS);
+    PyObject *params = PyTuple_GetItem(plan, PLAN_PARAMS), *keys = PyTuple_GetItem(plan, PLAN_KEYS);
+    PyObject *codes = PyTuple_GetItem(plan, PLAN_CODES);
     PyObject *scalings = PyTuple_GetItem(plan, PLAN_SCALINGS);
     scaling = PyDict_GetItemWithError(d, PN.scaling);
     Py_XINCREF(scaling);
     int ok = scaling != NULL && PyDict_Check(scaling);
     for (Py_ssize_t q = 0; ok && q < PyTuple_Size(names); q++) {
         PyObject *a = PyTuple_GetItem(names, q), *mq = PyTuple_GetItem(mods, q);
-        PyObject *pq = PyTuple_GetItem(params, q), *xq = PyTuple_GetItem(ptrs, q);
+        PyObject *pq = PyTuple_GetItem(params, q), *kq = PyTuple_GetItem(keys, q);
+        PyObject *cq = PyTuple_GetItem(codes, q);
         for (int i = 0; ok && i < 3; i++) {
             PyObject *mod = PyTuple_GetItem(mq, i);
             ok = PyDict_GetItemWithError(dicts[i], a) == mod && hook_free(mod, &miss);
         }
-        if (ok && !dropout_free)
-            ok = attr_true(PyTuple_GetItem(mq, 2), PN.training, &miss) == 0;
+        if (ok) { /* training: only a dropout with p = 0, or without p (nn.Identity), is a no-op */
+            PyObject *md = PyTuple_GetItem(mq, 2);
+            int tr = attr_true(md, PN.training, &miss);
+            if (tr < 0) {
+                ok = 0;
+            } else if (tr == 1) {
+                PyObject *pv = PyObject_GetAttr(md, PN.p);
+                if (pv == NULL) {
+                    if (PyErr_ExceptionMatches(PyExc_AttributeError))
+                        PyErr_Clear();
+                    else
+                        ok = 0;
+                } else {
+                    ok = PyObject_IsTrue(pv) == 0;
+                    Py_DECREF(pv);
+                }
+            }
+        }
         for (int i = 0; ok && i < 2; i++) {
             PyObject *p = PyTuple_GetItem(pq, i);
-            ok = attr_item(PyTuple_GetItem(mq, i), PN.parameters, PN.weight, &miss) == p;
-            if (ok) {
-                PyObject *ptr = PyObject_CallMethodObjArgs(p, PN.data_ptr, NULL);
-                ok = ptr != NULL && PyObject_RichCompareBool(ptr, PyTuple_GetItem(xq, i), Py_EQ) == 1;
-                Py_XDECREF(ptr);
-            }
+            ok = attr_item(PyTuple_GetItem(mq, i), PN.parameters, PN.weight, &miss) == p
+                 && same_tensor(p, kq, i, PyTuple_GetItem(cq, i), &miss);
         }
         if (ok) {
             PyObject *s = PyDict_GetItemWithError(scaling, a);
