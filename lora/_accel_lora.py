@@ -80,6 +80,13 @@ class Kind:
             from peft.tuners.lora.variants import DoraEmbeddingVariant, DoraLinearVariant
         except ImportError:  # a PEFT without variants: DoRA has no variant object there
             DoraEmbeddingVariant = DoraLinearVariant = ()
+        try:
+            from peft.tuners.lora.dora import DoraLinearLayer
+            self.magnitudes = (DoraLinearLayer,)  # a Linear layer's; an Embedding calls none
+        except ImportError:  # pragma: no cover - a PEFT without DoRA
+            self.magnitudes = ()
+        nn = acc._torch.nn
+        self.factor_type, self.dropout_types = nn.Linear, (nn.Dropout, nn.Identity)
         self.acc = acc
         self.linear, self.embedding = lora_layer.Linear, lora_layer.Embedding
         self.alora = ALoraLinearVariant
@@ -136,7 +143,7 @@ class Layer(ServedLayer):
         self.doras = {}   # DoRA adapter -> (key, DoraDelta over its view)
         self.tables = {}  # tuple of view ids -> (EntryTable, views kept alive)
         self.plan = None  # the short path for the next call, while nothing it depends on moves
-        self.mixed = {}   # tuple(adapter_names) -> the short path of that mixed batch
+        self.mixed = {}   # (tuple(adapter_names), x's axes) -> that mixed batch's short path
         super().__init__(kind.acc, name, module)
 
     def static_reason(self):
@@ -284,11 +291,42 @@ class Layer(ServedLayer):
         hooked = hook_reason(self.acc, m, parts, names)
         if hooked is not None:
             return hooked
+        changed = self.parts_reason(names)
+        if changed is not None:
+            return changed
         if self.linear:
             for a in names:
                 drop = m.lora_dropout[a]
                 if drop.training and getattr(drop, "p", 0) > 0:
                     return f"dropout is active for adapter {a!r} (training mode)"
+        return None
+
+    def parts_reason(self, names):
+        """Why the modules PEFT's forward calls for `names` are not the ones it made, or None.
+        The kernels compute ``lora_B(lora_A(dropout(x)))`` for bias-free ``torch.nn.Linear``
+        factors and a ``Dropout`` / ``Identity``; a factor given a bias by hand (a layer's
+        ``lora_bias`` is refused by `Kind.reason`), another module type, a ``forward`` set on
+        the instance, or a DoRA magnitude module replaced the same way makes PEFT's forward
+        compute something else, so that call goes to PEFT."""
+        if not self.linear:  # an Embedding's factors are parameters: no modules to call
+            return None
+        m, kind = self.module, self.kind
+        mods = m._modules
+        for a in names:
+            subs = [(part, mods[part]._modules.get(a), (kind.factor_type,))
+                    for part in ("lora_A", "lora_B")]
+            subs.append(("lora_dropout", mods["lora_dropout"]._modules.get(a), kind.dropout_types))
+            if m.use_dora.get(a, False):
+                subs.append(("lora_magnitude_vector", mods["lora_magnitude_vector"]._modules.get(a),
+                             kind.magnitudes))
+            for part, sub, types in subs:
+                if type(sub) not in types:
+                    return (f"{part}[{a!r}] is a {type(sub).__name__}, not the "
+                            f"{' or '.join(t.__name__ for t in types)} PEFT made")
+                if "forward" in sub.__dict__:
+                    return f"{part}[{a!r}] has a forward of its own (set on the instance)"
+                if part in ("lora_A", "lora_B") and sub._parameters.get("bias") is not None:
+                    return f"{part}[{a!r}] has a bias"
         return None
 
     def forward(self, x, *args, **kwargs):
@@ -302,11 +340,11 @@ class Layer(ServedLayer):
             elif self.mixed and len(kwargs) == 1:  # PEFT's adapter_names, a batch seen before
                 names = kwargs.get("adapter_names")
                 if type(names) is list or type(names) is tuple:
-                    try:
-                        key = tuple(names)
+                    try:  # a plan per composition and number of axes
+                        key = (tuple(names), x.ndim)
                         plan = self.mixed.get(key)
-                    except TypeError:  # unhashable names: PEFT's forward says what it thinks
-                        plan = None
+                    except (TypeError, AttributeError):  # unhashable names, or x not a tensor:
+                        plan = None                       # PEFT's forward says what it thinks
                     if plan is not None:
                         result = plan.run(x)
                         if result is not None:
@@ -366,12 +404,14 @@ class Layer(ServedLayer):
                 if plan.ok:
                     if len(self.mixed) >= 16:  # batches of other compositions: start afresh
                         self.mixed.clear()
-                    self.mixed[tuple(adapter_names)] = plan
+                    self.mixed[(tuple(adapter_names), x.dim())] = plan
         elif m.merged:
             result = m.base_layer(x, *args, **kwargs)
         else:
-            result = _writable(m.base_layer(x, *args, **kwargs), x, m.base_layer,
-                               acc._module_globals)
+            result = m.base_layer(x, *args, **kwargs)
+            if names and not self.takes(x, result, names):
+                return self.peft_tail(x, result, names, alora_offsets, kwargs)
+            result = _writable(result, x, m.base_layer, acc._module_globals)
             if names:
                 result_dtype_ok = self._active(x, result, names, alora_offsets)
                 if (result_dtype_ok and self.linear and not args and not kwargs and x.dim() > 1
@@ -388,6 +428,45 @@ class Layer(ServedLayer):
             return self.original(x, *args, **kwargs)
         acc._status[self.name] = None
         return result
+
+    def takes(self, x, result, names):
+        """Whether the kernels add a Linear layer's term into the base layer's `result` (in
+        place, or into the copy `_writable` makes): a tensor of a dtype they write, of the
+        term's own shape (x's leading axes, the layer's outputs), that does not require grad.
+        PEFT's forward adds the term out of place, so it also serves a result that broadcasts
+        with the term, or requires grad (a base layer computing with tensors outside its
+        parameters that do): `peft_tail` then runs PEFT's sum on it."""
+        if not self.linear:  # an Embedding's result is checked by the kernels' call
+            return True
+        if type(result) is not self.acc._torch.Tensor or result.requires_grad:
+            return False
+        if dtypes.torch_codes().get(result.dtype) is None or x.dim() < 1:
+            return False
+        rows = self.module._modules["lora_B"]._modules[names[0]]._parameters["weight"].shape[0]
+        shape = result.shape
+        return (len(shape) == x.dim() and shape[-1] == rows
+                and tuple(shape[:-1]) == tuple(x.shape[:-1]))
+
+    def peft_tail(self, x, result, names, alora_offsets, kwargs):
+        """PEFT's own sum of the active adapters `names` onto a Linear base layer's `result`
+        that `takes` does not take, with PEFT's modules: for each adapter in order, x cast to
+        its lora_A's dtype (as PEFT casts it, once per adapter), ``result + lora_B(lora_A(
+        dropout(x))) * scaling`` for plain LoRA or the adapter's variant (DoRA, aLoRA) on the
+        result, then the result in the base result's dtype.  The base layer is not called
+        again (its hooks and side effects run once)."""
+        m = self.module
+        self.acc._status[self.name] = "the base layer's output is not one the kernels add into"
+        dtype = result.dtype
+        variants = m.lora_variant
+        for a in names:
+            x = m._cast_input_dtype(x, m.lora_A[a].weight.dtype)
+            variant = variants.get(a)
+            if variant is None:
+                result = result + m.lora_B[a](m.lora_A[a](m.lora_dropout[a](x))) * m.scaling[a]
+            else:
+                result = variant.forward(m, active_adapter=a, x=x, result=result,
+                                         alora_offsets=alora_offsets, **kwargs)
+        return result.to(dtype)
 
     def _check_args(self, x, args, kwargs, adapter_names):
         """PEFT's checks of the forward's arguments, except its refusal of DoRA adapters in
@@ -531,7 +610,8 @@ class Layer(ServedLayer):
 class Plan:
     """A Linear layer's short path: the active plain-LoRA adapters' stack, valid while none of
     what PEFT's forward depends on has moved: the active adapters, disable/merge state, the
-    adapters' modules (no hooks on them, none global) and parameters (and where their data
+    adapters' modules (the same objects of the same classes, no hooks on them, none global, no
+    forward set on the instance, bias-free factors) and parameters (and where their data
     lives), their scaling, training mode with dropout, autograd not recording, and the input's
     number of axes.  Anything else: None, and the full path runs (and may build a new plan).
     The base layer is the module's at each call.  DoRA adapters (on a layer without a bias)
@@ -560,7 +640,7 @@ class Plan:
 
     __slots__ = ("layer", "module", "active", "names", "mods", "params", "keys", "scalings",
                  "table", "tensor", "grad_enabled", "bump", "codes", "ok",
-                 "ndim", "hooks", "dora", "rows", "cols", "single", "args", "c", "ids")
+                 "ndim", "hooks", "dora", "rows", "cols", "single", "args", "c", "ids", "types")
 
     def __init__(self, layer, names, ndim, adapter_names=None):
         m = layer.module
@@ -579,6 +659,7 @@ class Plan:
         lora_a, lora_b = m._modules["lora_A"]._modules, m._modules["lora_B"]._modules
         drops = m._modules["lora_dropout"]._modules
         self.mods = tuple((lora_a[a], lora_b[a], drops[a]) for a in names)
+        self.types = tuple(tuple(type(mod) for mod in ms) for ms in self.mods)
         self.params = tuple((ma._parameters["weight"], mb._parameters["weight"])
                             for ma, mb, _ in self.mods)
         self.scalings = tuple(m.scaling[a] for a in names)
@@ -605,7 +686,8 @@ class Plan:
             if m.use_dora.get(a, False):
                 mag = m.lora_magnitude_vector[a]
                 ts = (weight, mag._parameters["weight"], pa, pb)
-                watch.append((a, mag, ts, tuple((t.data_ptr(), t._version) for t in ts)))
+                watch.append((a, mag, type(mag), ts,
+                              tuple((t.data_ptr(), t._version) for t in ts)))
         self.dora = tuple(watch)
         self.ndim = ndim
         self.hooks = layer.acc._module_globals
@@ -628,7 +710,7 @@ class Plan:
                       self.scalings, ndim, self.rows, self.cols, self.hooks,
                       address(single[0]) if single is not None else 0,
                       float(single[1]) if single is not None else 0.0,
-                      table._edge, table._scales_pair, self.ids, absent, table)
+                      table._edge, table._scales_pair, self.ids, absent, table, self.types)
 
     def run(self, x):
         c = self.c
@@ -658,9 +740,13 @@ class Plan:
         lora_b = m._modules["lora_B"]._modules
         drops = m._modules["lora_dropout"]._modules
         scaling = m.scaling
-        for a, (ma, mb, md), (pa, pb), key, s in zip(
-                self.names, self.mods, self.params, self.keys, self.scalings):
+        for a, (ma, mb, md), (pa, pb), key, s, (tya, tyb, tyd) in zip(
+                self.names, self.mods, self.params, self.keys, self.scalings, self.types):
             if (lora_a.get(a) is not ma or lora_b.get(a) is not mb or drops.get(a) is not md
+                    or type(ma) is not tya or type(mb) is not tyb or type(md) is not tyd
+                    or "forward" in ma.__dict__ or "forward" in mb.__dict__
+                    or "forward" in md.__dict__ or ma._parameters.get("bias") is not None
+                    or mb._parameters.get("bias") is not None
                     or ma._forward_hooks or ma._forward_pre_hooks or mb._forward_hooks
                     or mb._forward_pre_hooks or md._forward_hooks or md._forward_pre_hooks
                     or ma._parameters["weight"] is not pa or mb._parameters["weight"] is not pb
@@ -670,8 +756,9 @@ class Plan:
         if self.dora:
             mags = m._modules["lora_magnitude_vector"]._modules
             weight = base._parameters.get("weight")
-            for a, mag, ts, seen in self.dora:
-                if (mags.get(a) is not mag or ts[0] is not weight
+            for a, mag, tym, ts, seen in self.dora:
+                if (mags.get(a) is not mag or type(mag) is not tym or "forward" in mag.__dict__
+                        or ts[0] is not weight
                         or mag._parameters.get("weight") is not ts[1]
                         or mag._forward_hooks or mag._forward_pre_hooks
                         or any((t.data_ptr(), t._version) != v for t, v in zip(ts, seen))):
@@ -681,12 +768,14 @@ class Plan:
         return self._tail(x, base(x), base)
 
     def _tail(self, x, result, base):
-        """After the base call: the LoRA term into `result` (the base layer's output), or None
-        when its dtype is not one the kernels write."""
+        """After the base call: the LoRA term into `result` (the base layer's output); a result
+        the kernels do not take gets PEFT's own sum (`Layer.peft_tail`).  None only for a mixed
+        batch's result of a dtype the kernels do not write (the full path takes it)."""
         codes = self.codes
         oc = codes.get(result.dtype)
-        if oc is None:
-            return None
+        if oc is None:  # a mixed batch: the full path (which calls the base layer again)
+            return self.layer.peft_tail(x, result, self.names, None, {}) if self.ids is None \
+                else None
         if self.ids is not None:  # a mixed batch C did not take: the checked bank call
             result = _writable(result, x, base, self.hooks)
             self.table.apply_batch(x, result, self.ids)
@@ -726,6 +815,9 @@ class Plan:
                         oc, rows, NULL)
                 if status == 0:
                     return result
+        layer = self.layer
+        if not layer.takes(x, result, self.names):
+            return layer.peft_tail(x, result, self.names, None, {})
         result = _writable(result, x, base, self.hooks)
         self.table.apply_batch(x, result)  # the checked path: anything else, or a refusal
         return result

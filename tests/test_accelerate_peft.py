@@ -865,3 +865,224 @@ def test_a_base_layer_returning_its_input():
                 assert "base_model.model.model.layers.0.self_attn.q_proj" in acc.accelerated
     finally:
         q.base_layer = inner
+
+
+class _DoublingLinear(torch.nn.Linear):
+    """A factor class of the user's own: twice what a Linear gives."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _changed_part(q, what):
+    """Change one module PEFT's forward calls for adapter 'a' of layer `q`, keeping every object
+    and parameter the short path holds (the same module objects, the same weights)."""
+    lin = q.lora_B["a"]
+    if what == "a bias set on lora_B":
+        lin.bias = torch.nn.Parameter(torch.linspace(-1, 1, lin.out_features))
+    elif what == "a bias set on lora_A":
+        q.lora_A["a"].bias = torch.nn.Parameter(torch.full((q.lora_A["a"].out_features,), 0.25))
+    elif what == "a forward set on lora_B":
+        lin.forward = lambda t: 3 * torch.nn.functional.linear(t, lin.weight)
+    elif what == "a forward set on the dropout":
+        q.lora_dropout["a"].forward = lambda t: 0.5 * t
+    elif what == "lora_A's class changed":
+        q.lora_A["a"].__class__ = _DoublingLinear
+    elif what == "lora_B replaced by a subclass":
+        new = _DoublingLinear(lin.in_features, lin.out_features, bias=False)
+        new.weight = lin.weight
+        q.lora_B["a"] = new
+    else:
+        raise AssertionError(what)
+
+
+PART_CHANGES = ("a bias set on lora_B", "a bias set on lora_A", "a forward set on lora_B",
+                "a forward set on the dropout", "lora_A's class changed",
+                "lora_B replaced by a subclass")
+
+
+@pytest.mark.parametrize("in_c", [True, False])
+@pytest.mark.parametrize("what", PART_CHANGES)
+def test_factors_and_dropouts_peft_did_not_make_go_to_peft(monkeypatch, what, in_c):
+    """The kernels compute lora_B(lora_A(dropout(x))) for PEFT's own modules: bias-free
+    torch Linear factors and a Dropout / Identity.  A bias given to a factor by hand, a forward
+    set on an instance, or a factor of another class makes PEFT compute something else: the
+    short path (in C, and the same plan in Python) and the full path notice it, the call goes
+    to PEFT's forward and gives its values, and the layer says why."""
+    model = peft_model(seed=31)
+    model.base_model.set_adapter("a")
+    q = q_proj(model)
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        plain = q(x)
+        plan = acc._layers[id(q)].plan
+        assert plan is not None and name in acc.accelerated
+        if not in_c:
+            monkeypatch.setattr(plan, "c", None)
+        seen = _record_plan_runs(monkeypatch)
+        assert torch.equal(q(x), plain)
+        _changed_part(q, what)
+        got = q(x)
+        assert seen == (["output", "none"] if in_c else []), what
+        assert name in acc.skipped, what
+        again = q(x)  # the full path keeps sending it to PEFT
+        acc.restore()
+        ref = q(x)
+    assert not torch.allclose(ref, plain), what
+    close(got, ref, what)
+    close(again, ref, what)
+
+
+def test_a_dora_magnitude_module_with_its_own_forward_goes_to_peft():
+    model = get_peft_model(tiny_llama(seed=32), LoraConfig(
+        r=4, lora_alpha=8, use_dora=True, init_lora_weights=False,
+        target_modules=["q_proj"])).eval()
+    q = q_proj(model)
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(10))
+    mag = q.lora_magnitude_vector["default"]
+    real = mag.forward
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        plain = q(x)
+        q(x)
+        assert name in acc.accelerated
+        mag.forward = lambda *a, **k: 2 * real(*a, **k)
+        got = q(x)
+        assert "lora_magnitude_vector" in acc.skipped[name]
+        acc.restore()
+        ref = q(x)
+    assert not torch.allclose(ref, plain)
+    close(got, ref, "a DoRA magnitude forward")
+
+
+class _PeftOnlyBase(torch.nn.Module):
+    """A base layer whose output the kernels do not add into but PEFT's ``result + term`` takes:
+    `kind` "broadcast" (one row for the batch), "bigger" (two copies, a leading axis the term
+    broadcasts over), "float64", or "grad" (a shift that requires grad and is not a parameter,
+    applied with grad enabled).  Counts its calls."""
+
+    def __init__(self, inner, kind):
+        super().__init__()
+        self.inner, self.kind, self.calls = inner, kind, 0
+        self.shift = torch.linspace(-1, 1, inner.out_features).requires_grad_(True)
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.inner(x)
+        if self.kind == "broadcast":
+            return y.mean(0, keepdim=True)
+        if self.kind == "bigger":
+            return torch.stack([y, 2 * y])
+        if self.kind == "float64":
+            return y.double()
+        with torch.enable_grad():
+            return y + self.shift
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "bigger", "float64", "grad"])
+@pytest.mark.parametrize("active", ["a", ("a", "b")])
+def test_a_base_result_peft_adds_to_out_of_place_gets_peft_values(monkeypatch, kind, active):
+    """PEFT adds the term out of place, so a base output that broadcasts with the term, of a
+    dtype the kernels do not write, or that requires grad, still works under PEFT: the layer
+    gives PEFT's values (shape, dtype, requires_grad), on the full path, the short path in C
+    and the same plan in Python, with the base layer called once a call."""
+    model = peft_model(seed=33)
+    model.base_model.set_adapter(list(active) if isinstance(active, tuple) else active)
+    q = q_proj(model)
+    x = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(11))
+    inner = q.base_layer
+    base = q.base_layer = _PeftOnlyBase(inner, kind)
+    with torch.no_grad():
+        ref = q(x)
+        with lora.accelerate_peft(model) as acc:
+            seen = _record_plan_runs(monkeypatch)
+            got = []
+            for step in range(3):
+                if step == 1:  # a plan made over the plain base, then this base again
+                    q.base_layer = inner
+                    q(x)
+                    q.base_layer = base
+                    plan = acc._layers[id(q)].plan
+                    assert plan is not None and plan.c is not None
+                if step == 2:
+                    monkeypatch.setattr(plan, "c", None)
+                base.calls = 0
+                got.append(q(x))
+                assert base.calls == 1, (kind, step)
+            assert seen == ["tail"], kind  # the call in C handed to the Python tail
+    for step, g in enumerate(got):
+        assert g.shape == ref.shape and g.dtype == ref.dtype, (kind, step)
+        assert g.requires_grad == ref.requires_grad, (kind, step)
+        close(g.detach(), ref.detach(), f"{kind} {active} call {step}")
+
+
+def test_a_base_result_that_requires_grad_under_grad_mode_gets_peft_gradients():
+    """Under grad mode, with the adapters and the base weights frozen, a base output that
+    requires grad (through a tensor outside the base's parameters) keeps its graph: the
+    gradients reaching that tensor are PEFT's."""
+    model = peft_model(seed=34)
+    model.base_model.set_adapter("a")
+    model.requires_grad_(False)
+    q = q_proj(model)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(12))
+    base = q.base_layer = _PeftOnlyBase(q.base_layer, "grad")
+    (q(x) ** 2).sum().backward()
+    ref_out, ref_grad = q(x).detach(), base.shift.grad.clone()
+    with lora.accelerate_peft(model) as acc:
+        for step in range(2):
+            base.shift.grad = None
+            out = q(x)
+            assert out.requires_grad
+            (out ** 2).sum().backward()
+            close(out.detach(), ref_out, f"call {step}")
+            close(base.shift.grad, ref_grad, f"gradient, call {step}")
+        assert acc._layers[id(q)].plan is None or acc._layers[id(q)].plan.c is not None
+
+
+def test_mixed_batch_plans_run_in_c_per_composition_and_see_changes(monkeypatch):
+    """A mixed batch (adapter_names) seen before runs its own short path in C, one per batch
+    composition and number of axes (alternating 2-D and 3-D calls keep both), with the full
+    path's bits; a changed scaling, a new adapter under a name the batch named but the layer
+    lacked, or lora_B on new memory is noticed: PEFT's values."""
+    model = peft_model(seed=35)
+    q = q_proj(model)
+    names = ["a", "__base__", "b", "zz"]  # q_proj holds a and b; zz is not an adapter here
+    g = torch.Generator().manual_seed(13)
+    x2, x3 = torch.randn(4, 64, generator=g), torch.randn(4, 3, 64, generator=g)
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        layer = acc._layers[id(q)]
+        first = {2: q(x2, adapter_names=names), 3: q(x3, adapter_names=names)}
+        assert set(layer.mixed) == {(tuple(names), 2), (tuple(names), 3)}
+        seen = _record_plan_runs(monkeypatch)
+        for _ in range(2):
+            assert torch.equal(q(x2, adapter_names=names), first[2])
+            assert torch.equal(q(x3, adapter_names=names), first[3])
+        assert seen == ["output"] * 4
+        acc.restore()
+        ref = {2: q(x2, adapter_names=names), 3: q(x3, adapter_names=names)}
+    close(first[2], ref[2], "2-D")
+    close(first[3], ref[3], "3-D")
+
+    def scaling():
+        q.scaling["b"] = 3 * q.scaling["b"]
+
+    def new_b():
+        q.lora_B["a"].weight.data = 2 * q.lora_B["a"].weight.data
+
+    def zz_added():
+        model.add_adapter("zz", LoraConfig(r=2, init_lora_weights=False, target_modules=["q_proj"]))
+        model.requires_grad_(False)
+
+    for what, change in {"scaling": scaling, "lora_B on new memory": new_b,
+                         "an adapter the batch named appears": zz_added}.items():
+        with torch.no_grad(), lora.accelerate_peft(model):
+            q(x3, adapter_names=names)
+            seen = _record_plan_runs(monkeypatch)
+            q(x3, adapter_names=names)
+            change()
+            got = q(x3, adapter_names=names)
+            assert seen == ["output", "none"], what
+        with torch.no_grad():
+            close(got, q(x3, adapter_names=names), what)
+        monkeypatch.undo()

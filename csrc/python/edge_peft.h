@@ -49,13 +49,14 @@ enum {
                           else None */
     PLAN_ABSENT,       /* a mixed batch's adapter names this layer does not hold (still absent) */
     PLAN_KEEP,         /* the entry table: it owns the deltas behind the addresses */
+    PLAN_TYPES,        /* tuple of (type(lora_A[a]), type(lora_B[a]), type(lora_dropout[a])) */
     PLAN_FIELDS
 };
 
 static struct {
     PyObject *dict, *active, *disable, *merged, *training, *modules, *base_layer, *lora_a,
         *lora_b, *dropout, *fwd_hooks, *fwd_pre_hooks, *parameters, *weight, *p,
-        *scaling, *g_fwd_hooks, *g_fwd_pre_hooks;
+        *scaling, *g_fwd_hooks, *g_fwd_pre_hooks, *forward, *bias;
 } PN;
 
 static int plan_names(void)
@@ -68,7 +69,8 @@ static int plan_names(void)
         {&PN.fwd_hooks, "_forward_hooks"}, {&PN.fwd_pre_hooks, "_forward_pre_hooks"},
         {&PN.parameters, "_parameters"}, {&PN.weight, "weight"}, {&PN.p, "p"},
         {&PN.scaling, "scaling"}, {&PN.g_fwd_hooks, "_global_forward_hooks"},
-        {&PN.g_fwd_pre_hooks, "_global_forward_pre_hooks"},
+        {&PN.g_fwd_pre_hooks, "_global_forward_pre_hooks"}, {&PN.forward, "forward"},
+        {&PN.bias, "bias"},
     };
     for (size_t i = 0; i < sizeof n / sizeof n[0]; i++)
         if ((*n[i].slot = PyUnicode_InternFromString(n[i].s)) == NULL)
@@ -148,6 +150,24 @@ static int hook_free(PyObject *mod, int *miss)
     return attr_true(mod, PN.fwd_hooks, miss) == 0 && attr_true(mod, PN.fwd_pre_hooks, miss) == 0;
 }
 
+/* a module still of the type the plan recorded, without a forward set on the instance, and (a
+ * factor: `factor`) without a bias: 1, or 0 (and maybe *miss).  PEFT's forward calls the
+ * module, so any of these would make it compute something else. */
+static int plain_module(PyObject *mod, PyObject *type, int factor, int *miss)
+{
+    if ((PyObject *)Py_TYPE(mod) != type)
+        return 0;
+    PyObject *d = PyObject_GetAttr(mod, PN.dict);
+    int own = d != NULL && PyDict_Check(d) ? PyDict_Contains(d, PN.forward) : -1;
+    Py_XDECREF(d);
+    if (own != 0) {
+        if (own < 0)
+            *miss = plan_miss();
+        return 0;
+    }
+    return !factor || attr_item(mod, PN.parameters, PN.bias, miss) == Py_None;
+}
+
 /* the checks of Plan.run before its base call, in its order: 0 with *base (a new reference),
  * EDGE_DECLINE, or -2.  What it reads from a dict it holds by a strong reference while it
  * calls anything that might run Python code. */
@@ -189,8 +209,10 @@ static int plan_check(PyObject *plan, PyObject **base)
     PyObject *g = PyTuple_GetItem(plan, PLAN_HOOKS);
     if (attr_true(g, PN.g_fwd_hooks, &miss) != 0 || attr_true(g, PN.g_fwd_pre_hooks, &miss) != 0)
         goto out;
-    /* the adapters' modules (no hooks; a dropout in eval mode, or with p = 0), parameters (the
-     * same objects on the same memory, of the same dtype, shape and strides) and scaling */
+    /* the adapters' modules (the same objects, of the same types, with no hooks and no forward
+     * of their own, the factors without a bias; a dropout in eval mode, or with p = 0),
+     * parameters (the same objects on the same memory, of the same dtype, shape and strides)
+     * and scaling */
     PyObject *sub[3] = {PN.lora_a, PN.lora_b, PN.dropout}, *dicts[3];
     for (int i = 0; i < 3; i++) {
         PyObject *md = PyDict_GetItemWithError(modules, sub[i]);
@@ -205,16 +227,19 @@ static int plan_check(PyObject *plan, PyObject **base)
     PyObject *params = PyTuple_GetItem(plan, PLAN_PARAMS), *keys = PyTuple_GetItem(plan, PLAN_KEYS);
     PyObject *codes = PyTuple_GetItem(plan, PLAN_CODES);
     PyObject *scalings = PyTuple_GetItem(plan, PLAN_SCALINGS);
+    PyObject *types = PyTuple_GetItem(plan, PLAN_TYPES);
     scaling = PyDict_GetItemWithError(d, PN.scaling);
     Py_XINCREF(scaling);
     int ok = scaling != NULL && PyDict_Check(scaling);
     for (Py_ssize_t q = 0; ok && q < PyTuple_Size(names); q++) {
         PyObject *a = PyTuple_GetItem(names, q), *mq = PyTuple_GetItem(mods, q);
         PyObject *pq = PyTuple_GetItem(params, q), *kq = PyTuple_GetItem(keys, q);
-        PyObject *cq = PyTuple_GetItem(codes, q);
+        PyObject *cq = PyTuple_GetItem(codes, q), *tq = PyTuple_GetItem(types, q);
+        ok = tq != NULL && PyTuple_Check(tq) && PyTuple_Size(tq) == 3;
         for (int i = 0; ok && i < 3; i++) {
             PyObject *mod = PyTuple_GetItem(mq, i);
-            ok = PyDict_GetItemWithError(dicts[i], a) == mod && hook_free(mod, &miss);
+            ok = PyDict_GetItemWithError(dicts[i], a) == mod && hook_free(mod, &miss)
+                 && plain_module(mod, PyTuple_GetItem(tq, i), i < 2, &miss);
         }
         if (ok) { /* training: only a dropout with p = 0, or without p (nn.Identity), is a no-op */
             PyObject *md = PyTuple_GetItem(mq, 2);
