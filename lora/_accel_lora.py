@@ -394,8 +394,10 @@ class Layer(ServedLayer):
                 m.unmerge()
             result = m.base_layer(x, *args, **kwargs)
         elif adapter_names is not None:
-            result = _writable(m.base_layer(x, *args, **kwargs), x, m.base_layer,
-                               acc._module_globals)
+            result = m.base_layer(x, *args, **kwargs)
+            if names and not self.takes(x, result, names):
+                return self.peft_mixed_tail(x, result, adapter_names, alora_offsets, kwargs)
+            result = _writable(result, x, m.base_layer, acc._module_globals)
             result_dtype_ok = self._mixed(x, result, adapter_names, names, alora_offsets)
             if (result_dtype_ok and names and self.linear and not args and not kwargs
                     and x.dim() > 1 and alora_offsets is None
@@ -467,6 +469,30 @@ class Layer(ServedLayer):
                 result = variant.forward(m, active_adapter=a, x=x, result=result,
                                          alora_offsets=alora_offsets, **kwargs)
         return result.to(dtype)
+
+    def peft_mixed_tail(self, x, result, adapter_names, alora_offsets, kwargs):
+        """PEFT's own mixed batch on a Linear base layer's `result` that `takes` does not take:
+        each adapter named (not "__base__", held by the layer) on its rows of x, cast to its
+        lora_A's dtype, added into those rows of `result` in place in `result`'s dtype (plain
+        LoRA), or its variant on those rows; the base layer is not called again."""
+        m = self.module
+        self.acc._status[self.name] = "the base layer's output is not one the kernels add into"
+        dtype, held, variants = result.dtype, m.lora_A, m.lora_variant
+        for a in dict.fromkeys(adapter_names):
+            if a == "__base__" or a not in held:
+                continue
+            rows = [i for i, n in enumerate(adapter_names) if n == a]
+            sub = x[rows].to(m.lora_A[a].weight.dtype)
+            variant = variants.get(a)
+            if variant is None:
+                term = m.lora_B[a](m.lora_A[a](m.lora_dropout[a](sub))) * m.scaling[a]
+                result[rows] += term.to(dtype)
+            else:
+                offsets = (None if alora_offsets is None
+                           else [alora_offsets[j] for j in rows])
+                result[rows] = variant.forward(m, active_adapter=a, x=sub, result=result[rows],
+                                               alora_offsets=offsets, **kwargs).to(dtype)
+        return result
 
     def _check_args(self, x, args, kwargs, adapter_names):
         """PEFT's checks of the forward's arguments, except its refusal of DoRA adapters in
@@ -640,7 +666,8 @@ class Plan:
 
     __slots__ = ("layer", "module", "active", "names", "mods", "params", "keys", "scalings",
                  "table", "tensor", "grad_enabled", "bump", "codes", "ok",
-                 "ndim", "hooks", "dora", "rows", "cols", "single", "args", "c", "ids", "types")
+                 "ndim", "hooks", "dora", "rows", "cols", "single", "args", "c", "ids", "types",
+                 "adapter_names")
 
     def __init__(self, layer, names, ndim, adapter_names=None):
         m = layer.module
@@ -674,6 +701,7 @@ class Plan:
                  for a, p in zip(names, pairs)] if self.ok else [layer._served(a) for a in names]
         table = self.table = layer.table(views, adapter_names is None)
         self.ids, absent = None, ()
+        self.adapter_names = tuple(adapter_names) if adapter_names is not None else None
         if adapter_names is not None:  # row b's entry, -1 for "__base__" and names not held
             slot = {a: i for i, a in enumerate(names)}
             self.ids = np.fromiter((slot.get(a, -1) for a in adapter_names), np.int64,
@@ -769,14 +797,15 @@ class Plan:
 
     def _tail(self, x, result, base):
         """After the base call: the LoRA term into `result` (the base layer's output); a result
-        the kernels do not take gets PEFT's own sum (`Layer.peft_tail`).  None only for a mixed
-        batch's result of a dtype the kernels do not write (the full path takes it)."""
+        the kernels do not take gets PEFT's own sum (`Layer.peft_tail`, `peft_mixed_tail`)."""
         codes = self.codes
         oc = codes.get(result.dtype)
-        if oc is None:  # a mixed batch: the full path (which calls the base layer again)
-            return self.layer.peft_tail(x, result, self.names, None, {}) if self.ids is None \
-                else None
+        layer = self.layer
+        if oc is None:
+            return self._peft(x, result)
         if self.ids is not None:  # a mixed batch C did not take: the checked bank call
+            if not layer.takes(x, result, self.names):
+                return self._peft(x, result)
             result = _writable(result, x, base, self.hooks)
             self.table.apply_batch(x, result, self.ids)
             return result
@@ -815,9 +844,14 @@ class Plan:
                         oc, rows, NULL)
                 if status == 0:
                     return result
-        layer = self.layer
         if not layer.takes(x, result, self.names):
-            return layer.peft_tail(x, result, self.names, None, {})
+            return self._peft(x, result)
         result = _writable(result, x, base, self.hooks)
         self.table.apply_batch(x, result)  # the checked path: anything else, or a refusal
         return result
+
+    def _peft(self, x, result):
+        """PEFT's own sum on a base result the kernels do not take (`Layer.takes`)."""
+        if self.adapter_names is not None:
+            return self.layer.peft_mixed_tail(x, result, self.adapter_names, None, {})
+        return self.layer.peft_tail(x, result, self.names, None, {})

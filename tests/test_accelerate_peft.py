@@ -1086,3 +1086,43 @@ def test_mixed_batch_plans_run_in_c_per_composition_and_see_changes(monkeypatch)
         with torch.no_grad():
             close(got, q(x3, adapter_names=names), what)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "float64", "grad"])
+def test_a_mixed_batch_base_result_the_kernels_do_not_take_gets_peft_values(monkeypatch, kind):
+    """PEFT's mixed batch adds each adapter's rows into the base output in place: a base output
+    of another dtype or one that requires grad gets PEFT's values (shape, dtype,
+    requires_grad) on the full path and through a mixed plan, with the base called once a
+    call; one PEFT cannot index (a single broadcast row) raises PEFT's error."""
+    model = peft_model(seed=36)
+    q = q_proj(model)
+    names = ["b", "a", "__base__", "a"]
+    x = torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(14))
+    inner = q.base_layer
+    base = q.base_layer = _PeftOnlyBase(inner, kind)
+    with torch.no_grad():
+        if kind == "broadcast":
+            with pytest.raises(Exception) as peft_error:
+                q(x, adapter_names=names)
+            with lora.accelerate_peft(model):
+                with pytest.raises(peft_error.type):
+                    q(x, adapter_names=names)
+            return
+        ref = q(x, adapter_names=names)
+        with lora.accelerate_peft(model) as acc:
+            seen = _record_plan_runs(monkeypatch)
+            got = []
+            for step in range(2):
+                if step == 1:  # a mixed plan made over the plain base, then this base again
+                    q.base_layer = inner
+                    q(x, adapter_names=names)
+                    q.base_layer = base
+                    assert acc._layers[id(q)].mixed
+                base.calls = 0
+                got.append(q(x, adapter_names=names))
+                assert base.calls == 1, (kind, step)
+            assert seen == ["tail"], kind
+    for step, g in enumerate(got):
+        assert g.shape == ref.shape and g.dtype == ref.dtype, (kind, step)
+        assert g.requires_grad == ref.requires_grad, (kind, step)
+        close(g.detach(), ref.detach(), f"{kind} mixed, call {step}")
