@@ -65,6 +65,20 @@ def _writable(result, x, base, g):
     return result
 
 
+def _in_place(result, fresh, x):
+    """A mixed batch's output as PEFT's: PEFT adds each adapter's rows into the base layer's
+    output in place, so a tensor a hook on the base layer kept holds them too.  When the term
+    went into a copy (`fresh`, see `_writable`), it is written back into `result`, which is
+    returned; except for a result sharing memory with x (a base layer returning its input),
+    where PEFT's in-place rows would read rows it already wrote: the copy is returned."""
+    if fresh is result or (result.numel() and x.numel() and isinstance(x, type(result))
+                           and x.untyped_storage().data_ptr()
+                           == result.untyped_storage().data_ptr()):
+        return fresh
+    result.copy_(fresh)
+    return result
+
+
 class Kind:
     """PEFT's plain LoRA ``Linear`` and ``Embedding`` layers (aLoRA included), for one
     `PeftAcceleration`: the PEFT types, which modules it serves, and why one cannot be served."""
@@ -81,10 +95,10 @@ class Kind:
         except ImportError:  # a PEFT without variants: DoRA has no variant object there
             DoraEmbeddingVariant = DoraLinearVariant = ()
         try:
-            from peft.tuners.lora.dora import DoraLinearLayer
-            self.magnitudes = (DoraLinearLayer,)  # a Linear layer's; an Embedding calls none
+            from peft.tuners.lora.dora import DoraEmbeddingLayer, DoraLinearLayer
+            self.magnitudes = {True: (DoraLinearLayer,), False: (DoraEmbeddingLayer,)}
         except ImportError:  # pragma: no cover - a PEFT without DoRA
-            self.magnitudes = ()
+            self.magnitudes = {True: (), False: ()}
         nn = acc._torch.nn
         self.factor_type, self.dropout_types = nn.Linear, (nn.Dropout, nn.Identity)
         self.acc = acc
@@ -267,6 +281,8 @@ class Layer(ServedLayer):
         torch = self.acc._torch
         if not isinstance(x, torch.Tensor) or not x.is_cpu:
             return "the input is not a CPU tensor"
+        if not self.linear and x.dim() == 0:
+            return "the input is a single index without an axis"
         base_weight = getattr(m.get_base_layer(), "weight", None)
         if base_weight is not None and dtypes.torch_codes().get(base_weight.dtype) is None:
             return f"the base layer's weight is {base_weight.dtype}"
@@ -304,29 +320,37 @@ class Layer(ServedLayer):
     def parts_reason(self, names):
         """Why the modules PEFT's forward calls for `names` are not the ones it made, or None.
         The kernels compute ``lora_B(lora_A(dropout(x)))`` for bias-free ``torch.nn.Linear``
-        factors and a ``Dropout`` / ``Identity``; a factor given a bias by hand (a layer's
-        ``lora_bias`` is refused by `Kind.reason`), another module type, a ``forward`` set on
-        the instance, or a DoRA magnitude module replaced the same way makes PEFT's forward
-        compute something else, so that call goes to PEFT."""
-        if not self.linear:  # an Embedding's factors are parameters: no modules to call
-            return None
+        factors whose weight is a parameter, and a ``Dropout`` / ``Identity``; a bias given to
+        a factor by hand (a parameter, buffer or plain attribute: ``nn.Linear`` adds any of
+        them; a layer's ``lora_bias`` is refused by `Kind.reason`), a weight that is not a
+        parameter, another module class, a ``forward`` set on the instance, or a DoRA
+        magnitude module (a Linear's or an Embedding's) changed the same way makes PEFT's
+        forward compute something else, so that call goes to PEFT."""
         m, kind = self.module, self.kind
         mods = m._modules
         for a in names:
-            subs = [(part, mods[part]._modules.get(a), (kind.factor_type,))
-                    for part in ("lora_A", "lora_B")]
-            subs.append(("lora_dropout", mods["lora_dropout"]._modules.get(a), kind.dropout_types))
+            subs = []
+            if self.linear:
+                subs = [(part, mods[part]._modules.get(a), (kind.factor_type,))
+                        for part in ("lora_A", "lora_B")]
+                subs.append(("lora_dropout", mods["lora_dropout"]._modules.get(a),
+                             kind.dropout_types))
             if m.use_dora.get(a, False):
                 subs.append(("lora_magnitude_vector", mods["lora_magnitude_vector"]._modules.get(a),
-                             kind.magnitudes))
+                             kind.magnitudes[self.linear]))
             for part, sub, types in subs:
                 if type(sub) not in types:
                     return (f"{part}[{a!r}] is a {type(sub).__name__}, not the "
                             f"{' or '.join(t.__name__ for t in types)} PEFT made")
                 if "forward" in sub.__dict__:
                     return f"{part}[{a!r}] has a forward of its own (set on the instance)"
-                if part in ("lora_A", "lora_B") and sub._parameters.get("bias") is not None:
-                    return f"{part}[{a!r}] has a bias"
+                if part in ("lora_A", "lora_B"):
+                    params = sub._parameters
+                    if params.get("weight") is None:
+                        return f"{part}[{a!r}]'s weight is not a parameter"
+                    if ("bias" not in params or params["bias"] is not None
+                            or "bias" in sub.__dict__):
+                        return f"{part}[{a!r}] has a bias"
         return None
 
     def forward(self, x, *args, **kwargs):
@@ -397,8 +421,11 @@ class Layer(ServedLayer):
             result = m.base_layer(x, *args, **kwargs)
             if names and not self.takes(x, result, names):
                 return self.peft_mixed_tail(x, result, adapter_names, alora_offsets, kwargs)
+            base_result = result
             result = _writable(result, x, m.base_layer, acc._module_globals)
             result_dtype_ok = self._mixed(x, result, adapter_names, names, alora_offsets)
+            if result_dtype_ok:
+                result = _in_place(base_result, result, x)
             if (result_dtype_ok and names and self.linear and not args and not kwargs
                     and x.dim() > 1 and alora_offsets is None
                     and not any(self._is_alora(a) or m.use_dora.get(a, False) for a in names)):
@@ -416,6 +443,9 @@ class Layer(ServedLayer):
             result = _writable(result, x, m.base_layer, acc._module_globals)
             if names:
                 result_dtype_ok = self._active(x, result, names, alora_offsets)
+                if (result_dtype_ok and self.linear and x.dim() == 1
+                        and any(m.use_dora.get(a, False) for a in names)):
+                    result = result.unsqueeze(0)  # PEFT's DoRA term is [1, out]: it broadcasts
                 if (result_dtype_ok and self.linear and not args and not kwargs and x.dim() > 1
                         and alora_offsets is None and not any(self._is_alora(a) for a in names)
                         and not (any(m.use_dora.get(a, False) for a in names)
@@ -438,22 +468,33 @@ class Layer(ServedLayer):
         PEFT's forward adds the term out of place, so it also serves a result that broadcasts
         with the term, or requires grad (a base layer computing with tensors outside its
         parameters that do): `peft_tail` then runs PEFT's sum on it."""
-        if not self.linear:  # an Embedding's result is checked by the kernels' call
-            return True
         if type(result) is not self.acc._torch.Tensor or result.requires_grad:
             return False
         if dtypes.torch_codes().get(result.dtype) is None or x.dim() < 1:
             return False
-        rows = self.module._modules["lora_B"]._modules[names[0]]._parameters["weight"].shape[0]
+        m = self.module
         shape = result.shape
+        if not self.linear:  # ids [...] -> [..., dim]
+            dim = m.lora_embedding_B[names[0]].shape[0]
+            return len(shape) == x.dim() + 1 and shape[-1] == dim and shape[:-1] == x.shape
+        rows = m._modules["lora_B"]._modules[names[0]]._parameters["weight"].shape[0]
         return (len(shape) == x.dim() and shape[-1] == rows
                 and tuple(shape[:-1]) == tuple(x.shape[:-1]))
 
+    def _peft_term(self, a, x):
+        """PEFT's plain LoRA term of adapter `a` on x, with PEFT's own modules and functions."""
+        m = self.module
+        if self.linear:
+            return m.lora_B[a](m.lora_A[a](m.lora_dropout[a](x))) * m.scaling[a]
+        out = (m._embed(x, m.lora_embedding_A[a].T) @ m.lora_embedding_B[a].T) * m.scaling[a]
+        embed_scale = m._get_embed_scale() if hasattr(m, "_get_embed_scale") else None
+        return out if embed_scale is None else out * embed_scale.to(out.dtype)
+
     def peft_tail(self, x, result, names, alora_offsets, kwargs):
-        """PEFT's own sum of the active adapters `names` onto a Linear base layer's `result`
-        that `takes` does not take, with PEFT's modules: for each adapter in order, x cast to
-        its lora_A's dtype (as PEFT casts it, once per adapter), ``result + lora_B(lora_A(
-        dropout(x))) * scaling`` for plain LoRA or the adapter's variant (DoRA, aLoRA) on the
+        """PEFT's own sum of the active adapters `names` onto a base layer's `result` that
+        `takes` does not take, with PEFT's modules: for each adapter in order (a Linear
+        layer's x cast to its lora_A's dtype, as PEFT casts it, once per adapter) ``result +
+        term`` (`_peft_term`) for plain LoRA, or the adapter's variant (DoRA, aLoRA) on the
         result, then the result in the base result's dtype.  The base layer is not called
         again (its hooks and side effects run once)."""
         m = self.module
@@ -461,32 +502,35 @@ class Layer(ServedLayer):
         dtype = result.dtype
         variants = m.lora_variant
         for a in names:
-            x = m._cast_input_dtype(x, m.lora_A[a].weight.dtype)
+            if self.linear:  # PEFT casts a Linear layer's input, not an embedding's ids
+                x = m._cast_input_dtype(x, m.lora_A[a].weight.dtype)
             variant = variants.get(a)
             if variant is None:
-                result = result + m.lora_B[a](m.lora_A[a](m.lora_dropout[a](x))) * m.scaling[a]
+                result = result + self._peft_term(a, x)
             else:
                 result = variant.forward(m, active_adapter=a, x=x, result=result,
                                          alora_offsets=alora_offsets, **kwargs)
         return result.to(dtype)
 
     def peft_mixed_tail(self, x, result, adapter_names, alora_offsets, kwargs):
-        """PEFT's own mixed batch on a Linear base layer's `result` that `takes` does not take:
-        each adapter named (not "__base__", held by the layer) on its rows of x, cast to its
-        lora_A's dtype, added into those rows of `result` in place in `result`'s dtype (plain
-        LoRA), or its variant on those rows; the base layer is not called again."""
+        """PEFT's own mixed batch on a base layer's `result` that `takes` does not take: each
+        adapter named (not "__base__", held by the layer) on its rows of x (a Linear layer's
+        cast to its lora_A's dtype), its term added into those rows of `result` in place (in
+        `result`'s dtype for a Linear layer, as PEFT), or its variant on those rows; the base
+        layer is not called again."""
         m = self.module
         self.acc._status[self.name] = "the base layer's output is not one the kernels add into"
-        dtype, held, variants = result.dtype, m.lora_A, m.lora_variant
+        dtype, variants = result.dtype, m.lora_variant
+        held = m.lora_A if self.linear else m.lora_embedding_A
         for a in dict.fromkeys(adapter_names):
             if a == "__base__" or a not in held:
                 continue
             rows = [i for i, n in enumerate(adapter_names) if n == a]
-            sub = x[rows].to(m.lora_A[a].weight.dtype)
+            sub = x[rows].to(m.lora_A[a].weight.dtype) if self.linear else x[rows]
             variant = variants.get(a)
             if variant is None:
-                term = m.lora_B[a](m.lora_A[a](m.lora_dropout[a](sub))) * m.scaling[a]
-                result[rows] += term.to(dtype)
+                term = self._peft_term(a, sub)
+                result[rows] += term.to(dtype) if self.linear else term
             else:
                 offsets = (None if alora_offsets is None
                            else [alora_offsets[j] for j in rows])
@@ -773,11 +817,13 @@ class Plan:
             if (lora_a.get(a) is not ma or lora_b.get(a) is not mb or drops.get(a) is not md
                     or type(ma) is not tya or type(mb) is not tyb or type(md) is not tyd
                     or "forward" in ma.__dict__ or "forward" in mb.__dict__
-                    or "forward" in md.__dict__ or ma._parameters.get("bias") is not None
-                    or mb._parameters.get("bias") is not None
+                    or "forward" in md.__dict__ or ma._parameters.get("bias", 0) is not None
+                    or mb._parameters.get("bias", 0) is not None or "bias" in ma.__dict__
+                    or "bias" in mb.__dict__
                     or ma._forward_hooks or ma._forward_pre_hooks or mb._forward_hooks
                     or mb._forward_pre_hooks or md._forward_hooks or md._forward_pre_hooks
-                    or ma._parameters["weight"] is not pa or mb._parameters["weight"] is not pb
+                    or ma._parameters.get("weight") is not pa
+                    or mb._parameters.get("weight") is not pb
                     or _key(pa, pb) != key or scaling[a] != s
                     or (md.training and getattr(md, "p", 0))):
                 return None
@@ -799,16 +845,16 @@ class Plan:
         """After the base call: the LoRA term into `result` (the base layer's output); a result
         the kernels do not take gets PEFT's own sum (`Layer.peft_tail`, `peft_mixed_tail`)."""
         codes = self.codes
-        oc = codes.get(result.dtype)
+        oc = codes.get(getattr(result, "dtype", None))  # not a tensor: PEFT's sum says what
         layer = self.layer
         if oc is None:
             return self._peft(x, result)
         if self.ids is not None:  # a mixed batch C did not take: the checked bank call
             if not layer.takes(x, result, self.names):
                 return self._peft(x, result)
-            result = _writable(result, x, base, self.hooks)
-            self.table.apply_batch(x, result, self.ids)
-            return result
+            fresh = _writable(result, x, base, self.hooks)
+            self.table.apply_batch(x, fresh, self.ids)
+            return _in_place(result, fresh, x)
         args, tensor = self.args, self.tensor
         if args is not None and type(result) is tensor and not base._forward_hooks:
             # the fast tail: x and result as plain contiguous CPU tensors of the stack's shapes

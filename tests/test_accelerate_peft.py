@@ -888,6 +888,18 @@ def _changed_part(q, what):
         q.lora_dropout["a"].forward = lambda t: 0.5 * t
     elif what == "lora_A's class changed":
         q.lora_A["a"].__class__ = _DoublingLinear
+    elif what == "a bias buffer on lora_B":
+        del lin.bias
+        lin.register_buffer("bias", torch.linspace(-1, 1, lin.out_features))
+    elif what == "a bias attribute on lora_A":
+        mod = q.lora_A["a"]
+        del mod.bias
+        mod.bias = torch.full((mod.out_features,), 0.25)
+    elif what == "lora_A's weight a buffer":
+        mod = q.lora_A["a"]
+        w = mod.weight.detach().clone()
+        del mod.weight
+        mod.register_buffer("weight", 2 * w)
     elif what == "lora_B replaced by a subclass":
         new = _DoublingLinear(lin.in_features, lin.out_features, bias=False)
         new.weight = lin.weight
@@ -896,9 +908,10 @@ def _changed_part(q, what):
         raise AssertionError(what)
 
 
-PART_CHANGES = ("a bias set on lora_B", "a bias set on lora_A", "a forward set on lora_B",
-                "a forward set on the dropout", "lora_A's class changed",
-                "lora_B replaced by a subclass")
+PART_CHANGES = ("a bias set on lora_B", "a bias set on lora_A", "a bias buffer on lora_B",
+                "a bias attribute on lora_A", "lora_A's weight a buffer",
+                "a forward set on lora_B", "a forward set on the dropout",
+                "lora_A's class changed", "lora_B replaced by a subclass")
 
 
 @pytest.mark.parametrize("in_c", [True, False])
@@ -1126,3 +1139,124 @@ def test_a_mixed_batch_base_result_the_kernels_do_not_take_gets_peft_values(monk
         assert g.shape == ref.shape and g.dtype == ref.dtype, (kind, step)
         assert g.requires_grad == ref.requires_grad, (kind, step)
         close(g.detach(), ref.detach(), f"{kind} mixed, call {step}")
+
+
+def test_a_mixed_batch_adds_into_the_base_output_as_peft_does():
+    """PEFT's mixed batch adds each adapter's rows into the base layer's output in place: a
+    forward hook on the base layer that keeps that tensor sees the LoRA rows, and the layer
+    returns that very tensor, on the full path and through a mixed plan."""
+    model = peft_model(seed=37)
+    q = q_proj(model)
+    names = ["a", "__base__", "b"]
+    x = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(15))
+    kept = []
+    handle = q.base_layer.register_forward_hook(lambda mod, args, out: kept.append(out))
+    try:
+        with torch.no_grad():
+            ref = q(x, adapter_names=names)
+            assert kept[-1] is ref
+            with lora.accelerate_peft(model) as acc:
+                for step in range(2):
+                    got = q(x, adapter_names=names)
+                    assert kept[-1] is got, step
+                    close(got, ref, f"call {step}")
+                assert acc._layers[id(q)].mixed
+                assert "base_model.model.model.layers.0.self_attn.q_proj" in acc.accelerated
+    finally:
+        handle.remove()
+
+
+def test_dora_on_a_1d_input_has_peft_shape():
+    """PEFT's DoRA term on a Linear layer is [1, out] (its row factor is a [1, out] view),
+    so a 1-D input gives a [1, out] output there: the same shape and values here."""
+    for bias in (False, True):
+        torch.manual_seed(38)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 24, bias=bias))
+        model = get_peft_model(net, LoraConfig(r=4, use_dora=True, init_lora_weights=False,
+                                               target_modules=["0"])).eval()
+        x = torch.randn(16)
+        with torch.no_grad():
+            ref = model(x)
+            with lora.accelerate_peft(model) as acc:
+                got = model(x)
+                assert acc.accelerated and not acc.skipped
+        assert ref.shape == (1, 24) and got.shape == ref.shape, bias
+        close(got, ref, f"bias {bias}")
+
+
+class _EmbeddingBase(torch.nn.Embedding):
+    """A base embedding whose output the kernels do not add into (see _PeftOnlyBase)."""
+
+    def __init__(self, inner, kind):
+        super().__init__(inner.num_embeddings, inner.embedding_dim)
+        self.weight, self.kind, self.calls = inner.weight, kind, 0
+        self.shift = torch.linspace(-1, 1, inner.embedding_dim).requires_grad_(True)
+
+    def forward(self, ids):
+        self.calls += 1
+        y = super().forward(ids)
+        if self.kind == "broadcast":
+            return y.mean(0, keepdim=True)
+        if self.kind == "float64":
+            return y.double()
+        with torch.enable_grad():
+            return y * self.shift
+
+
+def _embedding_model(seed, **config):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 12))
+    return get_peft_model(net, LoraConfig(r=4, init_lora_weights=False, target_modules=["0"],
+                                          **config)).eval()
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "float64", "grad"])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_an_embedding_base_output_the_kernels_do_not_take_gets_peft_values(kind, mixed):
+    model = _embedding_model(39)
+    layer = model.base_model.model[0]
+    base = layer.base_layer = _EmbeddingBase(layer.base_layer, kind)
+    x = ids(3, 5)
+    kw = {"adapter_names": ["default", "__base__", "default"]} if mixed else {}
+    with torch.no_grad():
+        if kind == "broadcast" and mixed:  # PEFT's mixed rows cannot index one row
+            with pytest.raises(Exception) as peft_error:
+                model(x, **kw)
+            with lora.accelerate_peft(model), pytest.raises(peft_error.type):
+                model(x, **kw)
+            return
+        ref = model(x, **kw)
+        with lora.accelerate_peft(model):
+            base.calls = 0
+            got = model(x, **kw)
+            assert base.calls == 1
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert got.requires_grad == ref.requires_grad
+    close(got.detach(), ref.detach(), f"{kind} mixed={mixed}")
+
+
+def test_an_embedding_called_with_a_single_index_and_a_changed_dora_magnitude():
+    """A 0-d index (PEFT's embedding returns one row) and a DoRA magnitude module given a
+    forward of its own go to PEFT's forward: its values, and the layer says why."""
+    model = _embedding_model(40)
+    with torch.no_grad():
+        ref = model(torch.tensor(5))
+        with lora.accelerate_peft(model) as acc:
+            got = model(torch.tensor(5))
+            assert "single index" in acc.skipped["base_model.model.0"]
+    assert got.shape == ref.shape == (12,)
+    close(got, ref, "0-d index")
+    model = _embedding_model(41, use_dora=True)
+    mag = model.base_model.model[0].lora_magnitude_vector["default"]
+    real = mag.forward
+    x = ids(2, 4)
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        plain = model(x)
+        assert "base_model.model.0" in acc.accelerated
+        mag.forward = lambda *a, **k: tuple(2 * t for t in real(*a, **k))  # (scale, term)
+        got = model(x)
+        assert "lora_magnitude_vector" in acc.skipped["base_model.model.0"]
+        acc.restore()
+        ref = model(x)
+    assert not torch.allclose(ref, plain)
+    close(got, ref, "an embedding's DoRA magnitude forward")

@@ -151,7 +151,8 @@ static int hook_free(PyObject *mod, int *miss)
 }
 
 /* a module still of the type the plan recorded, without a forward set on the instance, and (a
- * factor: `factor`) without a bias: 1, or 0 (and maybe *miss).  PEFT's forward calls the
+ * factor: `factor`) without a bias (its bias parameter None, no instance attribute over it):
+ * 1, or 0 (and maybe *miss).  PEFT's forward calls the
  * module, so any of these would make it compute something else. */
 static int plain_module(PyObject *mod, PyObject *type, int factor, int *miss)
 {
@@ -159,6 +160,8 @@ static int plain_module(PyObject *mod, PyObject *type, int factor, int *miss)
         return 0;
     PyObject *d = PyObject_GetAttr(mod, PN.dict);
     int own = d != NULL && PyDict_Check(d) ? PyDict_Contains(d, PN.forward) : -1;
+    if (own == 0 && factor) /* an instance attribute shadows the (None) bias parameter */
+        own = PyDict_Contains(d, PN.bias);
     Py_XDECREF(d);
     if (own != 0) {
         if (own < 0)
