@@ -897,7 +897,14 @@ class Plan:
         return result
 
     def _peft(self, x, result):
-        """PEFT's own sum on a base result the kernels do not take (`Layer.takes`)."""
+        """PEFT's own sum on a base result the kernels do not take (`Layer.takes`).  The layer
+        then reports why (`.skipped`), and the plan is dropped so that the next call takes the
+        full path, which reports the layer served again when it is."""
+        layer = self.layer
         if self.adapter_names is not None:
-            return self.layer.peft_mixed_tail(x, result, self.adapter_names, None, {})
-        return self.layer.peft_tail(x, result, self.names, None, {})
+            if layer.mixed.get((self.adapter_names, self.ndim)) is self:
+                layer.mixed.pop((self.adapter_names, self.ndim), None)
+            return layer.peft_mixed_tail(x, result, self.adapter_names, None, {})
+        if layer.plan is self:
+            layer.plan = None
+        return layer.peft_tail(x, result, self.names, None, {})

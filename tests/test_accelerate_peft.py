@@ -1011,18 +1011,22 @@ def test_a_base_result_peft_adds_to_out_of_place_gets_peft_values(monkeypatch, k
         with lora.accelerate_peft(model) as acc:
             seen = _record_plan_runs(monkeypatch)
             got = []
+            name = "base_model.model.model.layers.0.self_attn.q_proj"
             for step in range(3):
-                if step == 1:  # a plan made over the plain base, then this base again
+                if step:  # a plan made over the plain base, then this base again
                     q.base_layer = inner
                     q(x)
+                    assert name in acc.accelerated
                     q.base_layer = base
                     plan = acc._layers[id(q)].plan
                     assert plan is not None and plan.c is not None
-                if step == 2:
+                if step == 2:  # the same plan in Python
                     monkeypatch.setattr(plan, "c", None)
                 base.calls = 0
                 got.append(q(x))
                 assert base.calls == 1, (kind, step)
+                assert name in acc.skipped, (kind, step)
+                assert acc._layers[id(q)].plan is None, (kind, step)  # dropped: the next
             assert seen == ["tail"], kind  # the call in C handed to the Python tail
     for step, g in enumerate(got):
         assert g.shape == ref.shape and g.dtype == ref.dtype, (kind, step)
