@@ -65,15 +65,14 @@ def _writable(result, x, base, g):
     return result
 
 
-def _in_place(result, fresh, x):
-    """A mixed batch's output as PEFT's: PEFT adds each adapter's rows into the base layer's
-    output in place, so a tensor a hook on the base layer kept holds them too.  When the term
-    went into a copy (`fresh`, see `_writable`), it is written back into `result`, which is
-    returned; except for a result sharing memory with x (a base layer returning its input),
-    where PEFT's in-place rows would read rows it already wrote: the copy is returned."""
-    if fresh is result or (result.numel() and x.numel() and isinstance(x, type(result))
-                           and x.untyped_storage().data_ptr()
-                           == result.untyped_storage().data_ptr()):
+def _in_place(result, fresh):
+    """An output as PEFT's in-place rules leave it (a mixed batch's rows, aLoRA's positions):
+    PEFT adds them into the base layer's output itself, so a tensor a hook on the base layer
+    kept, or x when the base layer returned it, holds them too.  When the term went into a
+    copy (`fresh`, see `_writable`), it is written back into `result`, which is returned (PEFT
+    reads each adapter's rows of x before it writes them, and they do not overlap); except for
+    a result whose elements share memory (an expanded view), which cannot take it: the copy."""
+    if fresh is result or any(st == 0 and n > 1 for st, n in zip(result.stride(), result.shape)):
         return fresh
     result.copy_(fresh)
     return result
@@ -317,6 +316,14 @@ class Layer(ServedLayer):
                     return f"dropout is active for adapter {a!r} (training mode)"
         return None
 
+    def skip(self, why):
+        """This call goes to PEFT's forward or sum, for reason `why` (`.skipped` as of the last
+        call).  The layer's short paths are dropped with it: a call they serve does not write
+        the status, so one is served only after a full-path call has said the layer is."""
+        self.acc._status[self.name] = why
+        self.plan = None
+        self.mixed.clear()
+
     def parts_reason(self, names):
         """Why the modules PEFT's forward calls for `names` are not the ones it made, or None.
         The kernels compute ``lora_B(lora_A(dropout(x)))`` for bias-free ``torch.nn.Linear``
@@ -408,7 +415,7 @@ class Layer(ServedLayer):
                     v.scale.set(scale)
         result_dtype_ok = True
         if why is not None:
-            acc._status[self.name] = why
+            self.skip(why)
             return self.original(x, *args, **kwargs)
         self._check_args(x, args, kwargs, adapter_names)
         kwargs.pop("adapter_names", None)
@@ -425,7 +432,7 @@ class Layer(ServedLayer):
             result = _writable(result, x, m.base_layer, acc._module_globals)
             result_dtype_ok = self._mixed(x, result, adapter_names, names, alora_offsets)
             if result_dtype_ok:
-                result = _in_place(base_result, result, x)
+                result = _in_place(base_result, result)
             if (result_dtype_ok and names and self.linear and not args and not kwargs
                     and x.dim() > 1 and alora_offsets is None
                     and not any(self._is_alora(a) or m.use_dora.get(a, False) for a in names)):
@@ -440,9 +447,12 @@ class Layer(ServedLayer):
             result = m.base_layer(x, *args, **kwargs)
             if names and not self.takes(x, result, names):
                 return self.peft_tail(x, result, names, alora_offsets, kwargs)
+            base_result = result
             result = _writable(result, x, m.base_layer, acc._module_globals)
             if names:
                 result_dtype_ok = self._active(x, result, names, alora_offsets)
+                if result_dtype_ok and all(self._is_alora(a) for a in names):
+                    result = _in_place(base_result, result)  # PEFT's aLoRA adds in place
                 if (result_dtype_ok and self.linear and x.dim() == 1
                         and any(m.use_dora.get(a, False) for a in names)):
                     result = result.unsqueeze(0)  # PEFT's DoRA term is [1, out]: it broadcasts
@@ -453,7 +463,7 @@ class Layer(ServedLayer):
                     plan = Plan(self, names, x.dim())
                     self.plan = plan if plan.ok else None
         if not result_dtype_ok:  # an output dtype the kernels do not write: PEFT computes it
-            acc._status[self.name] = f"the layer's output is {result.dtype}"
+            self.skip(f"the layer's output is {result.dtype}")
             kwargs["adapter_names"] = adapter_names
             if alora_offsets is not None:
                 kwargs["alora_offsets"] = alora_offsets
@@ -498,7 +508,7 @@ class Layer(ServedLayer):
         result, then the result in the base result's dtype.  The base layer is not called
         again (its hooks and side effects run once)."""
         m = self.module
-        self.acc._status[self.name] = "the base layer's output is not one the kernels add into"
+        self.skip("the base layer's output is not one the kernels add into")
         dtype = result.dtype
         variants = m.lora_variant
         for a in names:
@@ -519,7 +529,7 @@ class Layer(ServedLayer):
         `result`'s dtype for a Linear layer, as PEFT), or its variant on those rows; the base
         layer is not called again."""
         m = self.module
-        self.acc._status[self.name] = "the base layer's output is not one the kernels add into"
+        self.skip("the base layer's output is not one the kernels add into")
         dtype, variants = result.dtype, m.lora_variant
         held = m.lora_A if self.linear else m.lora_embedding_A
         for a in dict.fromkeys(adapter_names):
@@ -854,7 +864,7 @@ class Plan:
                 return self._peft(x, result)
             fresh = _writable(result, x, base, self.hooks)
             self.table.apply_batch(x, fresh, self.ids)
-            return _in_place(result, fresh, x)
+            return _in_place(result, fresh)
         args, tensor = self.args, self.tensor
         if args is not None and type(result) is tensor and not base._forward_hooks:
             # the fast tail: x and result as plain contiguous CPU tensors of the stack's shapes
@@ -898,13 +908,8 @@ class Plan:
 
     def _peft(self, x, result):
         """PEFT's own sum on a base result the kernels do not take (`Layer.takes`).  The layer
-        then reports why (`.skipped`), and the plan is dropped so that the next call takes the
-        full path, which reports the layer served again when it is."""
-        layer = self.layer
+        then reports why (`.skipped`) and drops its plans (`Layer.skip`), so that the next call
+        takes the full path, which reports the layer served again when it is."""
         if self.adapter_names is not None:
-            if layer.mixed.get((self.adapter_names, self.ndim)) is self:
-                layer.mixed.pop((self.adapter_names, self.ndim), None)
-            return layer.peft_mixed_tail(x, result, self.adapter_names, None, {})
-        if layer.plan is self:
-            layer.plan = None
-        return layer.peft_tail(x, result, self.names, None, {})
+            return self.layer.peft_mixed_tail(x, result, self.adapter_names, None, {})
+        return self.layer.peft_tail(x, result, self.names, None, {})

@@ -1264,3 +1264,89 @@ def test_an_embedding_called_with_a_single_index_and_a_changed_dora_magnitude():
         ref = model(x)
     assert not torch.allclose(ref, plain)
     close(got, ref, "an embedding's DoRA magnitude forward")
+
+
+def test_skipped_is_as_of_the_last_call_across_plain_and_mixed_calls():
+    """A call that goes to PEFT (an adapter with a lora_bias in a mixed batch, a base output
+    the kernels do not take) drops the layer's short paths, so the next plain or mixed call
+    that is served again says so: `.skipped` is as of the last call."""
+    model = peft_model(seed=42)
+    model.add_adapter("lb", LoraConfig(r=2, lora_bias=True, init_lora_weights=False,
+                                       target_modules=["q_proj"]))
+    model.base_model.set_adapter("a")
+    model.requires_grad_(False)
+    q = q_proj(model)
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(16))
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        for _ in range(2):
+            q(x)
+            q(x, adapter_names=["a", "b", "a"])
+        assert name in acc.accelerated
+        q(x, adapter_names=["lb", "a", "a"])
+        assert "lora_bias" in acc.skipped[name]
+        q(x)
+        assert name in acc.accelerated
+        q(x, adapter_names=["a", "b", "a"])
+        q.base_layer = _PeftOnlyBase(q.base_layer, "float64")
+        q(x)
+        assert name in acc.skipped
+        q.base_layer = q.base_layer.inner
+        q(x, adapter_names=["a", "b", "a"])
+        assert name in acc.accelerated
+
+
+@pytest.mark.parametrize("kind", ["same", "expanded"])
+def test_a_mixed_batch_on_a_base_returning_its_input_or_an_expanded_view(kind):
+    """A square base layer returning its input: PEFT's mixed rows go into that tensor, so x
+    holds them (here too). An expanded (stride 0) output cannot take rows in place: the layer
+    returns the rows in a new tensor (PEFT writes every row into the one it shares)."""
+    model = peft_model(seed=43)
+    q = q_proj(model)
+    names = ["a", "__base__", "b"]
+    x0 = torch.randn(3, 64, generator=torch.Generator().manual_seed(17))
+    inner = q.base_layer
+    if kind == "same":
+        q.base_layer = _CountingBase(inner, "same")
+    else:
+        q.base_layer = _PeftOnlyBase(inner, "float64")
+        q.base_layer.forward = lambda t: inner(t)[:1].expand(len(t), -1)
+    with torch.no_grad():
+        x = x0.clone()
+        ref = q(x, adapter_names=names)
+        ref_x = x.clone()
+        with lora.accelerate_peft(model):
+            for _ in range(2):
+                x = x0.clone()
+                got = q(x, adapter_names=names)
+                if kind == "same":
+                    assert got is x
+                    close(x, ref_x, "x holds the rows")
+                    close(got, ref, "same")
+                else:
+                    plain = inner(x0)[:1].expand(3, -1)
+                    expect = torch.stack([plain[0] + lora_term for lora_term in (
+                        q.lora_B["a"](q.lora_A["a"](x0[0])) * q.scaling["a"],
+                        torch.zeros(plain.shape[1]),
+                        q.lora_B["b"](q.lora_A["b"](x0[2])) * q.scaling["b"])])
+                    close(got, expect, "expanded")
+
+
+def test_alora_adds_into_the_base_output_in_place_as_peft_does():
+    """PEFT's aLoRA adds its positions into the base layer's output in place: a hook on the
+    base layer that keeps its output sees them, and the layer returns that tensor."""
+    torch.manual_seed(44)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 24))
+    model = get_peft_model(net, LoraConfig(r=4, init_lora_weights=False, target_modules=["0"],
+                                           alora_invocation_tokens=[3])).eval()
+    layer = model.base_model.model[0]
+    kept = []
+    layer.base_layer.register_forward_hook(lambda mod, args, out: kept.append(out))
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(18))
+    with torch.no_grad():
+        ref = model(x, alora_offsets=[2, 4])
+        assert kept[-1] is ref
+        with lora.accelerate_peft(model) as acc:
+            got = model(x, alora_offsets=[2, 4])
+            assert kept[-1] is got and acc.accelerated
+    close(got, ref, "aLoRA in place")
