@@ -450,19 +450,20 @@ class Layer(ServedLayer):
             base_result = result
             result = _writable(result, x, m.base_layer, acc._module_globals)
             if names:
-                result_dtype_ok = self._active(x, result, names, alora_offsets)
-                if result_dtype_ok and all(self._is_alora(a) for a in names):
+                self._active(x, result, names, alora_offsets)
+                if all(self._is_alora(a) for a in names):
                     result = _in_place(base_result, result)  # PEFT's aLoRA adds in place
-                if (result_dtype_ok and self.linear and x.dim() == 1
+                if (self.linear and x.dim() == 1
                         and any(m.use_dora.get(a, False) for a in names)):
                     result = result.unsqueeze(0)  # PEFT's DoRA term is [1, out]: it broadcasts
-                if (result_dtype_ok and self.linear and not args and not kwargs and x.dim() > 1
+                if (self.linear and not args and not kwargs and x.dim() > 1
                         and alora_offsets is None and not any(self._is_alora(a) for a in names)
                         and not (any(m.use_dora.get(a, False) for a in names)
                                  and getattr(m.get_base_layer(), "bias", None) is not None)):
                     plan = Plan(self, names, x.dim())
                     self.plan = plan if plan.ok else None
-        if not result_dtype_ok:  # an output dtype the kernels do not write: PEFT computes it
+        if not result_dtype_ok:  # a mixed batch without adapters here, of a dtype the kernels
+            # do not write: PEFT computes it
             self.skip(f"the layer's output is {result.dtype}")
             kwargs["adapter_names"] = adapter_names
             if alora_offsets is not None:
@@ -622,10 +623,7 @@ class Layer(ServedLayer):
             table.apply_rows(x, result, ids)
 
     def _active(self, x, result, names, alora_offsets):
-        """The active adapters, summed in PEFT's order into `result`; returns False when the
-        output dtype is not one the kernels write."""
-        if dtypes.torch_codes().get(result.dtype) is None:
-            return False
+        """The active adapters, summed in PEFT's order into `result`, a base output `takes` took."""
         views = [self._served(a) for a in names]  # their scales were set by forward()
         alora = [self._is_alora(a) for a in names]
         if not any(alora):
@@ -633,7 +631,7 @@ class Layer(ServedLayer):
             self._run(self.table(views, True), x, result)
             if biased:
                 self._bias_out(names, result, 1)
-            return True
+            return
         # aLoRA: each adapter on its own positions, in order
         for v, is_alora in zip(views, alora):
             table = self.table([v], False)
@@ -644,7 +642,6 @@ class Layer(ServedLayer):
                 self._run(table, x.unsqueeze(0), result.unsqueeze(0), ids)
             else:
                 self._run(table, x, result, ids)
-        return True
 
     def _mixed(self, x, result, adapter_names, names, alora_offsets):
         """A mixed batch (PEFT's adapter_names): one bank call, row b on its own adapter."""
