@@ -12,7 +12,9 @@
  * (the gather splits its columns and needs no barrier).  Either way a thread
  * computes whole output elements with the ISA file's one summation order, so
  * the bits never depend on the thread count, the batch or the position's
- * place in it.  Whether a call opens a team at all is team.c's policy; every
+ * place in it.  Blocks of an entry whose factors overflow the L2 run in groups
+ * (group_size_) that read each factor once for all of them; the order in
+ * which a group's blocks and strips run changes no element's arithmetic.  Whether a call opens a team at all is team.c's policy; every
  * team call reports its wall time and its threads' compute time to it.
  */
 #include <stdlib.h>
@@ -24,15 +26,35 @@
 #endif
 
 /* per-thread scratch (rank-sized t, member terms) lives on the stack up to this */
-#define LORA_STACK_RANK 512
-#define LORA_STACK_TERMS 16
+#define LORA_STACK_T 4096
+#define LORA_STACK_TERMS 64
+/* consecutive blocks of one entry that go through its members together: each
+ * member's A_q is read once for the group's projections, and each strip of
+ * every B_q once for the group's accumulates, instead of once per block (at
+ * most; see group_size_) */
+#define LORA_GROUP 8
+/* a group's accumulates go over out in strips of this many outputs: every
+ * block's strip, then the next (with 128 the per-call costs showed; see
+ * group_size_) */
+#define LORA_GROUP_STRIP 512
 
-/* per-thread scratch: t for every member's rank outputs, and the terms */
+/* per-thread scratch, one slot per block of a group: t for every member's
+ * rank outputs, the terms, and the deltas they belong to */
 typedef struct {
-    float *t;                   /* LORA_NB x max_rank_sum */
-    lora_term *terms;           /* max_members */
+    float *t;                   /* slot g at t + g * t_per (LORA_NB x max_rank_sum) */
+    lora_term *terms;           /* slot g at terms + g * m_per (max_members) */
     const lora_delta **which;   /* terms[i] belongs to which[i] */
+    int64_t t_per, m_per;
 } scratch_;
+
+/* one block of a group, ready to run */
+typedef struct {
+    int nb, n_terms, dora;
+    const void *xs[LORA_NB];
+    void *outs[LORA_NB];
+    lora_term *terms;
+    const lora_delta **which;
+} block_;
 
 static void block_of_(const lora_plan *p, int64_t blk, int64_t *start, int *nb, int64_t *entry) {
     if (p->blk_start) {
@@ -111,35 +133,33 @@ static void accumulate_(const lora_plan *p, const lora_term *terms, int n_terms,
     else p->kt->accumulate[p->out_dtype](terms, n_terms, i0, i1, nb, outs);
 }
 
-/* One block of positions through every member of its entry, fused, on the
- * threads tid of nt that share `t` (nt = 1: alone, no barrier).  `last`: no
- * block follows, so the region's own closing barrier suffices. */
-static void run_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int tid, int nt,
-                       int gather, int last, double *waited) {
-#ifndef _OPENMP
-    (void)last, (void)waited; /* only a team waits at barriers */
-#endif
+/* Block blk's positions and the terms of its entry's members into bk, with
+ * their t in slot g of the scratch; the gather's u (B_q's rows of the tokens)
+ * is built here too. */
+static void prepare_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int g, int gather,
+                           block_ *bk) {
     int64_t start, entry;
     int nb;
     block_of_(p, blk, &start, &nb, &entry);
-    const void *xs[LORA_NB];
-    void *outs[LORA_NB];
     int64_t tok[LORA_NB];
     double mul[LORA_NB];
     const size_t xsz = lora_dtype_size(p->x_dtype), osz = lora_dtype_size(p->out_dtype);
     for (int b = 0; b < nb; b++) {
         const int64_t pos = p->order ? p->order[start + b] : start + b;
-        outs[b] = p->out + (size_t)(pos * p->ldo) * osz;
+        bk->outs[b] = p->out + (size_t)(pos * p->ldo) * osz;
         if (gather) tok[b] = p->ids[pos];
-        else xs[b] = p->x + (size_t)(pos / p->x_every * p->ldx) * xsz;
+        else bk->xs[b] = p->x + (size_t)(pos / p->x_every * p->ldx) * xsz;
         mul[b] = p->pos_scales ? p->pos_scales[pos / p->every] : 1.0;
     }
+    lora_term *terms = sc->terms + g * sc->m_per;
+    const lora_delta **which = sc->which + g * sc->m_per;
+    float *t = sc->t + g * sc->t_per;
     /* the members that add anything to this block, with their scales (and the
      * DoRA members at scale 0, which add nothing but still apply their row factor) */
     int n_terms = 0, dora = 0;
     int64_t off = 0;
     for (int64_t q = p->first[entry]; q < p->first[entry + 1]; q++) {
-        lora_term *tm = &sc->terms[n_terms];
+        lora_term *tm = &terms[n_terms];
         int any = 0, has_g = 0;
         for (int b = 0; b < LORA_NB; b++) {
             /* formed in double, rounded once (never the multiplier first) */
@@ -165,37 +185,66 @@ static void run_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int 
         tm->by_row = gather ? d->a_by_row : d->b_by_row;
         tm->kdim = d->rank;
         tm->dtype = d->dtype;
-        tm->u = sc->t + off;
+        tm->u = t + off;
         tm->ldu = d->rank;
-        sc->which[n_terms] = d;
+        which[n_terms] = d;
         off += (int64_t)nb * d->rank;
         n_terms++;
     }
-    if (n_terms == 0) return;
+    bk->nb = nb;
+    bk->n_terms = n_terms;
+    bk->dora = dora;
+    bk->terms = terms;
+    bk->which = which;
+    if (!gather) return;
+    /* u_q = B_q[tok, :]; every thread builds its own u and owns its columns */
+    for (int q = 0; q < n_terms; q++) {
+        if (!terms[q].active) continue;
+        const lora_delta *d = which[q];
+        float *u = (float *)terms[q].u;
+        for (int b = 0; b < nb; b++)
+            for (int64_t k = 0; k < d->rank; k++)
+                u[b * d->rank + k] = lora_load_f32(
+                    d->bt, d->b_by_row ? tok[b] * d->ldb + k : k * d->ldb + tok[b], d->dtype);
+    }
+}
+
+/* ng consecutive blocks of one entry (a gather: one block) through every member
+ * of the entry, fused, on the threads tid of nt that share the scratch's t
+ * (nt = 1: alone, no barrier).  The projections go member by member, each
+ * A_q over every block of the group; the accumulates strip by strip, each
+ * strip of out through every block (every member's B_q strip read once for
+ * the group).  The order in which blocks and strips run changes no output
+ * element's arithmetic.  `last`: no group follows, so the region's own
+ * closing barrier suffices. */
+static void run_group_(const lora_plan *p, int64_t blk0, int ng, const scratch_ *sc, int tid,
+                       int nt, int gather, int last, double *waited) {
+#ifndef _OPENMP
+    (void)last, (void)waited; /* only a team waits at barriers */
+#endif
+    block_ bk[LORA_GROUP];
+    int any = 0, most = 0;
+    for (int g = 0; g < ng; g++) {
+        prepare_block_(p, blk0 + g, sc, g, gather, &bk[g]);
+        any |= bk[g].n_terms;
+        if (bk[g].n_terms > most) most = bk[g].n_terms;
+    }
+    if (!any) return;
     int64_t lo, hi;
     if (gather) {
-        /* u_q = B_q[tok, :]; every thread builds its own u and owns its columns */
-        for (int q = 0; q < n_terms; q++) {
-            if (!sc->terms[q].active) continue;
-            const lora_delta *d = sc->which[q];
-            float *u = (float *)sc->terms[q].u;
-            for (int b = 0; b < nb; b++)
-                for (int64_t k = 0; k < d->rank; k++)
-                    u[b * d->rank + k] = lora_load_f32(
-                        d->bt, d->b_by_row ? tok[b] * d->ldb + k : k * d->ldb + tok[b], d->dtype);
-        }
         lora_split(p->cols, tid, nt, 16, &lo, &hi);
-        if (lo < hi) accumulate_(p, sc->terms, n_terms, dora, lo, hi, nb, outs);
+        if (lo < hi) accumulate_(p, bk[0].terms, bk[0].n_terms, bk[0].dora, lo, hi, bk[0].nb, bk[0].outs);
         return;
     }
-    for (int q = 0; q < n_terms; q++) {
-        if (!sc->terms[q].active) continue;
-        const lora_delta *d = sc->which[q];
-        lora_split(d->rank, tid, nt, 1, &lo, &hi);
-        if (lo < hi)
-            p->kt->project[d->dtype](d->a, d->lda, d->cols, lo, hi, nb, xs, p->x_dtype,
-                                     (float *)sc->terms[q].u, d->rank);
-    }
+    for (int q = 0; q < most; q++)
+        for (int g = 0; g < ng; g++) {
+            if (q >= bk[g].n_terms || !bk[g].terms[q].active) continue;
+            const lora_delta *d = bk[g].which[q];
+            lora_split(d->rank, tid, nt, 1, &lo, &hi);
+            if (lo < hi)
+                p->kt->project[d->dtype](d->a, d->lda, d->cols, lo, hi, bk[g].nb, bk[g].xs,
+                                         p->x_dtype, (float *)bk[g].terms[q].u, d->rank);
+        }
 #ifdef _OPENMP
     if (nt > 1) {
         const double w0 = lora_now();
@@ -204,15 +253,55 @@ static void run_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, int 
     }
 #endif
     lora_split(p->rows, tid, nt, 16, &lo, &hi);
-    if (lo < hi) accumulate_(p, sc->terms, n_terms, dora, lo, hi, nb, outs);
+    const int64_t strip = ng > 1 ? LORA_GROUP_STRIP : (hi > lo ? hi - lo : 1);
+    for (int64_t i = lo; i < hi; i += strip)
+        for (int g = 0; g < ng; g++)
+            if (bk[g].n_terms)
+                accumulate_(p, bk[g].terms, bk[g].n_terms, bk[g].dora, i,
+                            i + strip < hi ? i + strip : hi, bk[g].nb, bk[g].outs);
 #ifdef _OPENMP
-    /* t is reused by the next block: wait until every thread is done with it */
+    /* t is reused by the next group: wait until every thread is done with it */
     if (nt > 1 && !last) {
         const double w0 = lora_now();
 #pragma omp barrier
         *waited += lora_now() - w0;
     }
 #endif
+}
+
+static int64_t entry_of_(const lora_plan *p, int64_t blk) {
+    return p->blk_entry ? p->blk_entry[blk] : 0;
+}
+
+/* Blocks [b0, b1) in groups: runs of one entry, at most g_max blocks each */
+static void run_blocks_(const lora_plan *p, int64_t b0, int64_t b1, int g_max, const scratch_ *sc,
+                        int tid, int nt, int gather, int last, double *waited) {
+    for (int64_t s = b0; s < b1;) {
+        int64_t e = s + 1;
+        while (e < b1 && e - s < g_max && entry_of_(p, e) == entry_of_(p, s)) e++;
+        run_group_(p, s, (int)(e - s), sc, tid, nt, gather, last && e == b1, waited);
+        s = e;
+    }
+}
+
+/* How many blocks go through the members together.  Only an entry whose
+ * factors (f_bytes, the largest entry's) overflow half of one core's L2 gains:
+ * its blocks would each re-read them from L3, where a group reads them once
+ * (rank 64 at 4096 x 4096, a 4 x r16 stack); smaller factors stay in L2
+ * anyway, and there the group's short strips of out only cost.  A group
+ * re-reads its blocks' x once per member, so their x stay within a quarter of
+ * the L2 (next to A_q); threads that take whole groups keep four groups each
+ * for the balance; a gather's blocks share nothing (one block). */
+static int group_size_(const lora_plan *p, int gather, int by_block, int nt, int64_t f_bytes) {
+    const int64_t l2 = lora_team_l2_bytes();
+    const int64_t cache = l2 > 0 ? l2 : (int64_t)256 << 10; /* unknown: the smallest L2s */
+    if (gather || 2 * f_bytes <= cache) return 1;
+    int64_t g = LORA_GROUP;
+    const int64_t x_blk = (int64_t)LORA_NB * p->cols * (int64_t)lora_dtype_size(p->x_dtype);
+    if (x_blk * g > cache / 4) g = cache / 4 / x_blk;
+    if (by_block && g > p->nblk / (4 * (int64_t)nt)) g = p->nblk / (4 * (int64_t)nt);
+    if (g > p->nblk) g = p->nblk;
+    return g < 1 ? 1 : (int)g;
 }
 
 int lora_run_plan(const lora_plan *p, int gather) {
@@ -232,61 +321,68 @@ int lora_run_plan(const lora_plan *p, int gather) {
         if (per_bytes > bytes) bytes = per_bytes;
     }
     work *= p->n;
+    const int64_t f_bytes = bytes;
     bytes += p->n * (p->cols * (int64_t)lora_dtype_size(p->x_dtype) +
                      p->rows * (int64_t)lora_dtype_size(p->out_dtype));
-    /* a team on few blocks meets at barriers in every block: it must pay per block */
+    /* a team on few blocks meets at barriers in every group: it must pay per group */
     const int nmax = lora_get_num_threads();
-    const int nt = lora_call_threads(p->nblk >= 2 * (int64_t)nmax ? work : work / p->nblk,
+    const int g_team = p->blk_entry ? 1 : group_size_(p, gather, 0, nmax, f_bytes);
+    const int64_t syncs = (p->nblk + g_team - 1) / g_team;
+    const int nt = lora_call_threads(p->nblk >= 2 * (int64_t)nmax ? work : work / syncs,
                                      gather ? 0 : bytes);
 
+    const int by_block = p->nblk >= 2 * (int64_t)nt; /* threads take whole groups */
+    const int g_max = group_size_(p, gather, by_block, nt, f_bytes);
     const int64_t t_per = (int64_t)LORA_NB * p->max_rank_sum;
-    const int by_block = p->nblk >= 2 * (int64_t)nt; /* threads take whole blocks */
-    /* one t per thread, except a team on one prefill block, which shares t */
+    const int64_t m_per = p->max_members > 0 ? p->max_members : 1;
+    /* one t per thread, except a team on few prefill blocks, which shares t */
     const int64_t n_t = (by_block || gather) ? nt : 1;
-    const int64_t n_terms = p->max_members > 0 ? p->max_members : 1;
-    float stack_t[LORA_NB * LORA_STACK_RANK];
+    const int64_t t_all = t_per * g_max * n_t, m_all = m_per * g_max * nt;
+    float stack_t[LORA_STACK_T];
     lora_term stack_terms[LORA_STACK_TERMS];
     const lora_delta *stack_which[LORA_STACK_TERMS];
     float *t = stack_t;
     lora_term *terms = stack_terms;
     const lora_delta **which = stack_which;
     void *heap = NULL;
-    if (t_per * n_t > LORA_NB * LORA_STACK_RANK || n_terms * nt > LORA_STACK_TERMS) {
-        const size_t bytes = (size_t)(n_terms * nt) * (sizeof(lora_term) + sizeof(void *)) +
-                             (size_t)(t_per * n_t) * sizeof(float);
+    if (t_all > LORA_STACK_T || m_all > LORA_STACK_TERMS) {
+        const size_t bytes = (size_t)m_all * (sizeof(lora_term) + sizeof(void *)) +
+                             (size_t)t_all * sizeof(float);
         heap = malloc(bytes);
         if (!heap) return LORA_ERR_NOMEM;
         terms = (lora_term *)heap;
-        which = (const lora_delta **)(terms + n_terms * nt);
-        t = (float *)(which + n_terms * nt);
+        which = (const lora_delta **)(terms + m_all);
+        t = (float *)(which + m_all);
     }
 
     if (nt == 1) {
-        const scratch_ sc = {t, terms, which};
+        const scratch_ sc = {t, terms, which, t_per, m_per};
         double none = 0.0;
-        for (int64_t blk = 0; blk < p->nblk; blk++)
-            run_block_(p, blk, &sc, 0, 1, gather, 1, &none);
+        run_blocks_(p, 0, p->nblk, g_max, &sc, 0, 1, gather, 1, &none);
     }
 #ifdef _OPENMP
     else {
         /* busy: the threads' summed compute time, about what one thread needs */
         const double t0 = lora_now();
         double busy = 0.0;
+        const int64_t n_groups = (p->nblk + g_max - 1) / g_max;
 #pragma omp parallel num_threads(nt) reduction(+ : busy)
         {
             const double s = lora_now();
             double waited = 0.0;
             const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+            const int64_t mine = m_per * g_max * tid;
             if (by_block) {
-                const scratch_ sc = {t + t_per * tid, terms + n_terms * tid, which + n_terms * tid};
+                const scratch_ sc = {t + t_per * g_max * tid, terms + mine, which + mine, t_per, m_per};
 #pragma omp for schedule(dynamic, 1) nowait
-                for (int64_t blk = 0; blk < p->nblk; blk++)
-                    run_block_(p, blk, &sc, 0, 1, gather, 1, &waited);
+                for (int64_t c = 0; c < n_groups; c++) {
+                    const int64_t b1 = (c + 1) * g_max < p->nblk ? (c + 1) * g_max : p->nblk;
+                    run_blocks_(p, c * g_max, b1, g_max, &sc, 0, 1, gather, 1, &waited);
+                }
             } else {
-                const scratch_ sc = {gather ? t + t_per * tid : t, terms + n_terms * tid,
-                                     which + n_terms * tid};
-                for (int64_t blk = 0; blk < p->nblk; blk++)
-                    run_block_(p, blk, &sc, tid, team, gather, blk + 1 == p->nblk, &waited);
+                const scratch_ sc = {gather ? t + t_per * g_max * tid : t, terms + mine, which + mine,
+                                     t_per, m_per};
+                run_blocks_(p, 0, p->nblk, g_max, &sc, tid, team, gather, 1, &waited);
             }
             busy += lora_now() - s - waited;
         }

@@ -14,6 +14,12 @@ from conftest import (ISAS, PYTHON, assert_accurate, assert_same_bits, can_run_t
                       make_delta, num_threads, rand, ref_batch, ref_rows, subprocess_env,
                       using_isa)
 
+try:
+    import ml_dtypes
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    BF16 = None
+
 TWO = can_run_two_threads()
 needs_two_threads = pytest.mark.skipif(not TWO, reason="OpenMP gives this process 1 thread")
 
@@ -525,3 +531,67 @@ def test_invariance_above_the_stack_scratch_rank(threads, isa):
         for b in range(40):
             assert_same_bits(got[b], d.add_to(x[b], out0[b].copy()), f"row {b}")
             assert_same_bits(rgot[b], d.add_row_to(int(ids[b]), rout0[b].copy()), f"gather {b}")
+
+
+# ------------------------------------------- factors past the L2: grouped blocks
+
+
+def _rank_past_l2(rows, cols, itemsize, members=1):
+    """A rank whose factors (per member of `members`) overflow half of one core's L2 together,
+    so that prefill runs its blocks in groups (blocks.c reads such factors once per group);
+    256 KiB when the L2 is unknown, as blocks.c assumes."""
+    l2 = lib.lora_team_l2_bytes() or 256 << 10
+    return -(-l2 // (2 * members * (rows + cols) * itemsize)) + 3
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_blocks_keep_the_bits(threads, isa, dtype):
+    """Factors past half the L2: prefill takes its 4-position blocks in groups that share one
+    read of the factors.  Every batch row still equals add_to on it alone, for a delta, a stack
+    (one member at scale 0), a DoRA delta, bfloat16 activations and a bfloat16 out, and a bank
+    whose adapters and scales (some 0) change inside a group."""
+    if threads == 2 and not TWO:
+        pytest.skip("one thread only")
+    rng = np.random.default_rng(21)
+    rows, cols = 1536, 512
+    w = np.dtype(np.float32 if dtype == "float32" else np.float16).itemsize
+    rank = _rank_past_l2(rows, cols, w)
+    d = make_delta(rng, rank, rows, cols, dtype, alpha=2.0 * rank, wscale=0.05)
+    st_ranks = _rank_past_l2(rows, cols, w, members=3)
+    stack = lora.LoraStack([make_delta(rng, st_ranks, rows, cols, dtype, wscale=0.05),
+                            make_delta(rng, 5, rows, cols, "float32", scale=0.0),
+                            make_delta(rng, st_ranks + 7, rows, cols, dtype, wscale=0.05),
+                            make_delta(rng, st_ranks, rows, cols, "bfloat16", scale=-0.5,
+                                       wscale=0.05)])
+    a, b = rng.standard_normal((rank, cols)) * 0.05, rng.standard_normal((rows, rank)) * 0.05
+    base = rng.standard_normal((rows, cols)).astype(np.float32)
+    dora = lora.DoraDelta(a, b, np.abs(rng.standard_normal(rows)) + 0.5, base, alpha=float(rank),
+                          dtype=dtype)
+    n_max = 130
+    x_all, out_all = rand(rng, (n_max, cols)), rand(rng, (n_max, rows))
+    sizes = list(range(1, 18)) + [33, 64, n_max]
+    with num_threads(threads):
+        for name, entry in (("delta", d), ("stack", stack), ("dora", dora)):
+            singles = [apply("add_to", entry, x_all[i], out_all[i].copy()) for i in range(n_max)]
+            for n in sizes:
+                got = apply("add_batch_to", entry, x_all[:n], out_all[:n].copy())
+                for i in range(n):
+                    assert_same_bits(got[i], singles[i], f"{name} batch {n} row {i}")
+        if BF16 is not None:  # half activations and a half out, widened strip by strip
+            xb, ob = x_all.astype(BF16), out_all.astype(BF16)
+            singles = [d.add_to(xb[i], ob[i].copy()) for i in range(n_max)]
+            got = d.add_batch_to(xb, ob.copy())
+            for i in range(n_max):
+                assert_same_bits(got[i].view(np.uint16), singles[i].view(np.uint16), f"bf16 row {i}")
+        # a bank: the adapter and the scale change inside what would be one group
+        other = make_delta(rng, rank, rows, cols, dtype, alpha=float(rank), wscale=0.05)
+        bank = lora.LoraBank([d, other, stack])
+        ids = np.repeat(rng.integers(-1, 3, n_max // 3 + 1), 3)[:n_max]
+        scales = rng.choice([0.0, 1.0, -0.5, 2.0], n_max)
+        got = bank.add_batch_to(x_all, out_all.copy(), ids, scales)
+        for i in range(n_max):
+            want = out_all[i].copy()
+            if ids[i] >= 0 and scales[i] != 0.0:
+                one = lora.LoraBank([bank[int(ids[i])]])
+                one.add_batch_to(x_all[i:i + 1], want[None], [0], [scales[i]])
+            assert_same_bits(got[i], want, f"bank row {i} (adapter {ids[i]}, scale {scales[i]})")
