@@ -174,6 +174,8 @@ static inline size_t lora_dtype_size(int dtype) {
 /* outputs per strip in accumulate: the strip of nb positions (nb x 128
  * float32 = 2 KiB) stays in L1 while every term of a stack adds into it */
 #define LORA_STRIP 128
+/* a decode's (one position's) strip: 4 KiB of float32 outputs */
+#define LORA_DECODE_STRIP 1024
 
 struct lora_delta {
     int dtype;

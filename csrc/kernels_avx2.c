@@ -27,7 +27,9 @@
  * Accumulators: project keeps 4 ranks x 2 positions, or 8 ranks of one
  * position, = 8 independent ymm chains (FMA latency 4 x 2 ports = 8 in
  * flight); accumulate keeps 4 row vectors x 1 or 2 positions = 4 or 8 block
- * chains plus their running totals.  How many ranks
+ * chains plus their running totals, except a decode (one position), whose two
+ * row vectors (one line of M) walk every row of the rank before the next
+ * (term_decode_).  How many ranks
  * or rows share a tile changes no element's order.
  */
 #include "kernels.h"
@@ -183,11 +185,67 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
     }
 }
 
+/* A decode's outputs i .. i + 8 nv (nv = 1 or 2: one 64-byte line of a
+ * float32 M row), their whole chain over the rank before the next: the
+ * blocked chains of term_tile_ (kn a constant where it can be, see
+ * term_decode_), the totals in registers, then out = fma(total, s, out). */
+INLINE_ void decode_vecs_(const void *m, int64_t ldm, int64_t kdim, const int kn, int64_t i,
+                          const int nv, const float *u, float s, float *out, int64_t obase,
+                          const int dt) {
+    __m256 total_f32x8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+        const int n = kn ? kn : (int)(kdim - k0 < LORA_KBLOCK ? kdim - k0 : LORA_KBLOCK);
+        __m256 block_f32x8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int k = 0; k < n; k++) {
+            const __m256 u_f32x8 = _mm256_broadcast_ss(u + k0 + k);
+            for (int v = 0; v < nv; v++)
+                block_f32x8[v] = _mm256_fmadd_ps(load_f32x8_(m, (k0 + k) * ldm + i + 8 * v, dt), u_f32x8,
+                                                 block_f32x8[v]);
+        }
+        for (int v = 0; v < nv; v++)
+            total_f32x8[v] = k0 == 0 ? block_f32x8[v] : _mm256_add_ps(total_f32x8[v], block_f32x8[v]);
+    }
+    for (int v = 0; v < nv; v++) {
+        float *o = out + (i - obase) + 8 * v;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(total_f32x8[v], _mm256_set1_ps(s), _mm256_loadu_ps(o)));
+    }
+}
+
+/* One term of a decode (one position) over outputs [i0, i1), output i at
+ * out[i - obase].  term_tile_'s tiles ask for 128 bytes of one M row after
+ * another; here every 16 outputs walk all the rows, one line of each, in
+ * order, which reads faster where the factors come from memory, as in a
+ * model's decode step (the AVX-512 file's term_decode_; docs/performance.md,
+ * "The decode accumulate").  A rank of 16 (or 8) is one block of a constant
+ * length, so each M load is its own instruction stepping one line at a time.
+ * The arithmetic is term_tile_'s; the last outputs, term_lanes_'s. */
+INLINE_ void term_decode_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                          const float *u, const float *scale, float *const *outs, int64_t obase,
+                          const int dt) {
+    const float s = scale[0];
+    if (s == 0.0f) return; /* as term_tile_: a zero scale writes nothing */
+    float *out = outs[0];
+    int64_t i = i0;
+    if (kdim == 16) {
+        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, 16, 16, i, 2, u, s, out, obase, dt);
+    } else if (kdim == 8) {
+        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, 8, 8, i, 2, u, s, out, obase, dt);
+    } else {
+        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, kdim, 0, i, 2, u, s, out, obase, dt);
+    }
+    for (; i + 8 <= i1; i += 8) decode_vecs_(m, ldm, kdim, 0, i, 1, u, s, out, obase, dt);
+    term_lanes_(m, ldm, kdim, i, i1, 1, u, 1, scale, outs, obase, dt);
+}
+
 /* one term over outputs [i0, i1) of nb positions; output i lives at
  * outs[b][i - obase] */
 INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                       const int nb, const float *u, int64_t ldu, const float *scale,
                       float *const *outs, int64_t obase, const int dt) {
+    if (nb == 1) {
+        term_decode_(m, ldm, kdim, i0, i1, u, scale, outs, obase, dt);
+        return;
+    }
     const int nv = nb <= 2 ? 4 : 2;
     int64_t i = i0;
     for (; i + 8 * nv <= i1; i += 8 * nv)

@@ -37,7 +37,9 @@
  * 8): project tiles are nr ranks x nb positions with nr = 8 for nb <= 2 and
  * 4 for nb <= 4, so one A load feeds nb positions and one x load nr ranks;
  * accumulate tiles are nv row vectors x nb positions, nv * nb = 8 block
- * chains (each with its running total over rank blocks).
+ * chains (each with its running total over rank blocks); a decode (nb = 1)
+ * instead walks one vector of outputs (two for a bfloat16 M) through every
+ * row of a rank block before the next (term_decode_), the same chains.
  * Project walks columns in 512-wide chunks so the nb x rows stay in L1
  * across rank tiles (see project_nb_).
  */
@@ -323,9 +325,119 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
     }
 }
 
+/* A decode's outputs [i, i1) (output i at out[i - obase]) from one rank
+ * block of kn ranks of M starting at row k0 (u_f32x16: the block's u
+ * broadcast): each vector of 16 outputs (32 for a bfloat16 M, its even and
+ * odd lanes as in term_tile_) takes its whole chain before the next.  With
+ * `total` NULL the block is the whole rank and out = fma(chain, s, out);
+ * otherwise the chain goes to total[] (out's strip: set at k0 = 0, added to
+ * after).  kn is a constant where it can be (decode_term_ below), so each M
+ * load is its own instruction stepping one line a vector, which the
+ * hardware prefetchers follow. */
+INLINE_ void decode_block_(const void *m, int64_t ldm, int64_t k0, const int kn, int64_t i,
+                           int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
+                           int64_t obase, float *total, const int dt) {
+    const int64_t i_start = i;
+    if (dt == LORA_DTYPE_BF16) {
+        for (; i + 32 <= i1; i += 32) {
+            __m512 even_f32x16 = _mm512_setzero_ps(), odd_f32x16 = _mm512_setzero_ps();
+            for (int k = 0; k < kn; k++) {
+                const __m512i raw_bf16x32 = _mm512_loadu_si512((const uint16_t *)m + (k0 + k) * ldm + i);
+                even_f32x16 = _mm512_fmadd_ps(bf16_even_f32x16_(raw_bf16x32), u_f32x16[k], even_f32x16);
+                odd_f32x16 = _mm512_fmadd_ps(bf16_odd_f32x16_(raw_bf16x32), u_f32x16[k], odd_f32x16);
+            }
+            const __m512 lo_f32x16 = interleave_lo_f32x16_(even_f32x16, odd_f32x16);
+            const __m512 hi_f32x16 = interleave_hi_f32x16_(even_f32x16, odd_f32x16);
+            if (total) {
+                float *t = total + (i - i_start);
+                _mm512_store_ps(t, k0 == 0 ? lo_f32x16 : _mm512_add_ps(_mm512_load_ps(t), lo_f32x16));
+                _mm512_store_ps(t + 16, k0 == 0 ? hi_f32x16 : _mm512_add_ps(_mm512_load_ps(t + 16), hi_f32x16));
+                continue;
+            }
+            float *o = out + (i - obase);
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(lo_f32x16, s_f32x16, _mm512_loadu_ps(o)));
+            _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(hi_f32x16, s_f32x16, _mm512_loadu_ps(o + 16)));
+        }
+    }
+    for (; i < i1; i += 16) {
+        const int full = i + 16 <= i1;
+        const __mmask16 mask = full ? (__mmask16)0xffff : tail_mask_(i1 - i);
+        __m512 acc_f32x16 = _mm512_setzero_ps();
+        for (int k = 0; k < kn; k++)
+            acc_f32x16 = _mm512_fmadd_ps(full ? load_f32x16_(m, (k0 + k) * ldm + i, dt)
+                                              : load_masked_f32x16_(m, (k0 + k) * ldm + i, mask, dt),
+                                         u_f32x16[k], acc_f32x16);
+        if (total) {
+            float *t = total + (i - i_start);
+            _mm512_store_ps(t, k0 == 0 ? acc_f32x16 : _mm512_add_ps(_mm512_load_ps(t), acc_f32x16));
+            continue;
+        }
+        float *o = out + (i - obase);
+        _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(acc_f32x16, s_f32x16, _mm512_maskz_loadu_ps(mask, o)));
+    }
+}
+
+/* decode_block_ with kn a constant for the common ranks */
+#define DECODE_KN_CASE_(KN) \
+    case KN: decode_block_(m, ldm, k0, KN, i0, i1, u_f32x16, s_f32x16, out, obase, total, dt); break;
+INLINE_ void decode_block_any_(const void *m, int64_t ldm, int64_t k0, int kn, int64_t i0,
+                               int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
+                               int64_t obase, float *total, const int dt) {
+    switch (kn) {
+    DECODE_KN_CASE_(16) DECODE_KN_CASE_(8) DECODE_KN_CASE_(4)
+    default: decode_block_(m, ldm, k0, kn, i0, i1, u_f32x16, s_f32x16, out, obase, total, dt); break;
+    }
+}
+#undef DECODE_KN_CASE_
+
+/* One term of a decode (one position) over outputs [i0, i1), output i at
+ * outs[0][i - obase].  term_tile_'s 128-output tiles ask for 512 bytes of one
+ * M row after another; here every vector of outputs walks all the rows of a
+ * rank block, one line of each, in order.  On a decode whose factors come
+ * from memory, as in a model's decode step, that reads faster (a cold Zen 4
+ * decode: 0.78-0.90x the tiles' time), and as fast where M sits in L2
+ * (docs/performance.md, "The decode accumulate").  The arithmetic is
+ * term_tile_'s: blk_m chains from 0 over k ascending, total = (blk_0 + blk_1)
+ * + ..., out = fma(total, s, out); past one rank block the running totals
+ * wait in a strip in L1. */
+#define DECODE_STRIP_ 1024
+INLINE_ void term_decode_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                          const float *u, float s, float *out, int64_t obase, const int dt) {
+    if (s == 0.0f) return; /* as term_tile_: a zero scale writes nothing */
+    const __m512 s_f32x16 = _mm512_set1_ps(s);
+    __m512 u_f32x16[LORA_KBLOCK];
+    if (kdim <= LORA_KBLOCK) {
+        for (int64_t k = 0; k < kdim; k++) u_f32x16[k] = _mm512_set1_ps(u[k]);
+        decode_block_any_(m, ldm, 0, (int)kdim, i0, i1, u_f32x16, s_f32x16, out, obase, NULL, dt);
+        return;
+    }
+    float total[DECODE_STRIP_] __attribute__((aligned(64)));
+    for (int64_t i = i0; i < i1; i += DECODE_STRIP_) {
+        const int64_t n = i1 - i < DECODE_STRIP_ ? i1 - i : DECODE_STRIP_;
+        for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+            const int kn = (int)(kdim - k0 < LORA_KBLOCK ? kdim - k0 : LORA_KBLOCK);
+            for (int k = 0; k < kn; k++) u_f32x16[k] = _mm512_set1_ps(u[k0 + k]);
+            decode_block_any_(m, ldm, k0, kn, i, i + n, u_f32x16, s_f32x16, out, obase, total, dt);
+        }
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 mask = j + 16 <= n ? (__mmask16)0xffff : tail_mask_(n - j);
+            float *o = out + (i + j - obase);
+            _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(_mm512_load_ps(total + j), s_f32x16,
+                                                           _mm512_maskz_loadu_ps(mask, o)));
+        }
+    }
+}
+
 INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                       const int nb, const float *u, int64_t ldu, const float *scale,
                       float *const *outs, int64_t obase, const int dt) {
+    /* a decode walks M in order (term_decode_); past one rank block a half M keeps the
+     * tiles, whose even/odd and per-16 widenings the walk's strip of totals slowed by
+     * 19 % where M sits in L2 (bfloat16 rank 64) */
+    if (nb == 1 && (kdim <= LORA_KBLOCK || dt == LORA_DTYPE_F32)) {
+        term_decode_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, dt);
+        return;
+    }
     int64_t i = i0;
     if (kdim <= LORA_KBLOCK) {
         const int nv = nb <= 2 ? 8 : 4;

@@ -37,30 +37,32 @@ INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
 #undef STRIP_TERM_CASE_
 
 /* a float32 out is updated in place strip by strip; a half out is widened into
- * an L1 strip, every term adds into it in order, then it is rounded once */
+ * an L1 strip, every term adds into it in order, then it is rounded once.  A
+ * strip's length changes no element's arithmetic. */
 INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
                          void *const *outs, const int ot) {
+    /* a decode's strips are longer: its tiles read every M row in long runs */
+    const int64_t len = nb == 1 ? LORA_DECODE_STRIP : LORA_STRIP;
     if (ot == LORA_DTYPE_F32) {
         /* a strip of outputs stays in L1 while every term adds into it */
-        for (int64_t i = i0; i < i1; i += LORA_STRIP)
-            terms_(terms, n_terms, i, i + LORA_STRIP < i1 ? i + LORA_STRIP : i1, nb,
-                   (float *const *)outs, 0);
+        for (int64_t i = i0; i < i1; i += len)
+            terms_(terms, n_terms, i, i + len < i1 ? i + len : i1, nb, (float *const *)outs, 0);
         return;
     }
     int touched[LORA_NB] = {0};
     for (int q = 0; q < n_terms; q++)
         for (int b = 0; b < nb; b++) touched[b] |= terms[q].scale[b] != 0.0f;
-    float strip[LORA_NB][LORA_STRIP];
-    for (int64_t i = i0; i < i1; i += LORA_STRIP) {
-        const int64_t n = i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP;
+    float strip[LORA_NB * LORA_STRIP > LORA_DECODE_STRIP ? LORA_NB * LORA_STRIP : LORA_DECODE_STRIP];
+    for (int64_t i = i0; i < i1; i += len) {
+        const int64_t n = i1 - i < len ? i1 - i : len;
         float *so[LORA_NB];
         for (int b = 0; b < nb; b++) {
-            so[b] = strip[b];  /* output i at strip[b][i - i_strip] */
+            so[b] = strip + b * len;  /* output i at so[b][i - i_strip] */
             if (touched[b])
-                widen_((const char *)outs[b] + i * lora_dtype_size(ot), n, strip[b], ot);
+                widen_((const char *)outs[b] + i * lora_dtype_size(ot), n, so[b], ot);
         }
         terms_(terms, n_terms, i, i + n, nb, so, i);
         for (int b = 0; b < nb; b++)
-            if (touched[b]) narrow_(strip[b], n, (char *)outs[b] + i * lora_dtype_size(ot), ot);
+            if (touched[b]) narrow_(so[b], n, (char *)outs[b] + i * lora_dtype_size(ot), ot);
     }
 }
