@@ -129,3 +129,21 @@ def test_team_compare_runs_and_restores_the_floor(capsys):
     else:
         assert "nothing to compare" in text
     assert lib.lora_team_min_work() == floor and lora.get_num_threads() == threads
+
+
+def test_build_ab_runs_a_build_against_itself():
+    """benchmarks/build_ab.py (two builds, call against call) cannot rot: its --quick rows, with
+    this very build as the other one, run and report equal bits."""
+    import os
+    import subprocess
+
+    import lora
+    from conftest import PYTHON, subprocess_env
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(lora.__file__)))
+    done = subprocess.run([PYTHON, str(BENCH / "build_ab.py"), "--other", root, "--quick"],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if "new/other" in ln]
+    assert len(lines) == 4 and all("bits equal" in ln for ln in lines), done.stdout
+    assert "DRAM read alongside" in done.stdout
