@@ -14,8 +14,9 @@
  * the bits never depend on the thread count, the batch or the position's
  * place in it.  Blocks of an entry whose factors overflow the L2 run in groups
  * (group_size_) that read each factor once for all of them; the order in
- * which a group's blocks and strips run changes no element's arithmetic.  Whether a call opens a team at all is team.c's policy; every
- * team call reports its wall time and its threads' compute time to it.
+ * which a group's blocks and strips run changes no element's arithmetic.
+ * Whether a call opens a team at all is team.c's policy; every team call
+ * reports its wall time and its threads' compute time to it.
  */
 #include <stdlib.h>
 
@@ -34,8 +35,7 @@
  * most; see group_size_) */
 #define LORA_GROUP 8
 /* a group's accumulates go over out in strips of this many outputs: every
- * block's strip, then the next (with 128 the per-call costs showed; see
- * group_size_) */
+ * block's strip, then the next (128 measured slower: four times the calls) */
 #define LORA_GROUP_STRIP 512
 
 /* per-thread scratch, one slot per block of a group: t for every member's
