@@ -76,7 +76,8 @@ def entry(lib, pairs, dt):
 
 def build(libs, row, args):
     """{build: [(fn, x, out), ...]} for one pass of the row (the same weights for both builds),
-    the passes a timed sample repeats, and a one-line description."""
+    the passes a timed sample repeats, a one-line description, and the bytes of factors a pass
+    reads (the sweep's; None for the other rows)."""
     name, kind, rows, cols, ranks, dt, extra = row
     rng = np.random.default_rng(7)
     w = 4 if dt == "float32" else 2
@@ -90,8 +91,8 @@ def build(libs, row, args):
         for key, lib in libs.items():
             outs = {r: np.zeros(r, np.float32) for r, _ in shapes}
             calls[key] = [(entry(lib, [p], dt).add_to, xs[c], outs[r]) for p, (r, c) in zip(pairs, shapes)]
-        nbytes = sum(ranks[0] * (r + c) * w for r, c in shapes)
-        return calls, 1, f"{len(shapes)} decodes, {nbytes / 2**20:.0f} MiB of factors"
+        nbytes = sum(fn.__self__.resident_bytes for fn, _, _ in calls["new"])
+        return calls, 1, f"{len(shapes)} decodes, {nbytes / 2**20:.0f} MiB of factors", nbytes
     if kind == "decode":
         per = sum(ranks) * (rows + cols) * w
         cold_mb = 4.0 if args.quick else args.cold_mb
@@ -101,13 +102,13 @@ def build(libs, row, args):
         calls = {key: [(entry(lib, [p], dt).add_to, x, np.zeros(rows, np.float32)) for p in pairs]
                  for key, lib in libs.items()}
         reps = max(1, int(2e-3 / max(per / 50e9, 1e-7))) if extra == "warm" else 1
-        return calls, reps, f"{n} delta(s), {n * per / 2**20:.1f} MiB"
+        return calls, reps, f"{n} delta(s), {n * per / 2**20:.1f} MiB", None
     pairs = [weights(rng, rows, cols, k) for k in ranks]
     x = rng.standard_normal((extra, cols)).astype(np.float32)
     calls = {key: [(entry(lib, pairs, dt).add_batch_to, x, np.zeros((extra, rows), np.float32))]
              for key, lib in libs.items()}
     macs = extra * sum(ranks) * (rows + cols)
-    return calls, max(1, int(20e6 // macs)), f"{macs / 1e6:.0f} M multiply-adds"
+    return calls, max(1, int(20e6 // macs)), f"{macs / 1e6:.0f} M multiply-adds", None
 
 
 def same_bits(calls):
@@ -144,7 +145,8 @@ def main():
         print(f"new: {os.path.dirname(lora.__file__)}; other: {args.other}; {rounds} rounds; "
               f"ISA {lora.kernel_info()['isa']}, {lora.get_num_threads()} threads")
         for row in rows:
-            calls, reps, what = build(libs, row, args)
+            calls, reps, what, nbytes = build(libs, row, args)
+            samples = 3 if row[1] == "prefill" or row[6] == "warm" else 1  # cold: one pass
             bits = same_bits(calls)
             times = {"new": [], "other": []}
             dram = []
@@ -157,7 +159,7 @@ def main():
                     for fn, x, out in calls[key][:1]:
                         fn(x, out)  # this build's code and x in cache; a cold row's factors are not
                     best = float("inf")
-                    for _ in range(1 if row[1] != "prefill" and row[6] != "warm" else 3):
+                    for _ in range(samples):
                         t0 = time.perf_counter()
                         for _ in range(reps):
                             for fn, x, out in calls[key]:
@@ -170,7 +172,6 @@ def main():
                     f"new/other {statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})  "
                     f"bits {'equal' if bits else 'DIFFER'}  [{what}]")
             if dram:  # the sweep: its factors' bytes over a pass's time, against the DRAM read
-                nbytes = sum(fn.__self__.resident_bytes for fn, _, _ in calls["new"])
                 bw, n = statistics.median(dram), len(calls["new"])
                 line += (f"\n{'':34s} DRAM read alongside {bw:.1f} GB/s ({min(dram):.1f}-{max(dram):.1f}); "
                          f"factors read at {nbytes / (new_t * n) / 1e9 / bw:.2f} of it (new), "

@@ -331,7 +331,7 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
  * odd lanes as in term_tile_) takes its whole chain before the next.  With
  * `total` NULL the block is the whole rank and out = fma(chain, s, out);
  * otherwise the chain goes to total[] (out's strip: set at k0 = 0, added to
- * after).  kn is a constant where it can be (decode_term_ below), so each M
+ * after).  kn is a constant where it can be (decode_block_any_), so each M
  * load is its own instruction stepping one line a vector, which the
  * hardware prefetchers follow. */
 INLINE_ void decode_block_(const void *m, int64_t ldm, int64_t k0, const int kn, int64_t i,
