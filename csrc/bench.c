@@ -1,7 +1,7 @@
 /*
  * bench.c - the benchmark's bandwidth probe: the active ISA's read kernel
  * over a buffer, split over threads, to measure each memory level's read
- * bandwidth for the roofline (benchmarks/).
+ * bandwidth for the roofline (benchmarks/), and over deltas' own storage.
  */
 #include "internal.h"
 
@@ -25,5 +25,46 @@ double lora_bench_read(const float *buf, int64_t n, int64_t reps, int nthreads) 
     }
 #endif
     for (int64_t r = 0; r < reps; r++) total += read(buf, n);
+    return total;
+}
+
+/* A delta's stored factors, read as its decode call meets them: A (the
+ * project), then B^T (the accumulate), each split over the team, which meets
+ * once in between; *bytes += what was read. */
+static double read_delta_(const lora_delta *d, lora_read_fn read, int tid, int nt, int64_t *bytes) {
+    const int64_t isz = (int64_t)lora_dtype_size(d->dtype);
+    const int64_t na = d->rank * d->lda * isz / 4, nb = d->rank * d->ldb * isz / 4;
+    int64_t lo, hi;
+    if (tid == 0) *bytes += 4 * (na + nb);
+    lora_split(na, tid, nt, 16, &lo, &hi);
+    double total = read((const float *)d->a + lo, hi - lo);
+#ifdef _OPENMP
+    if (nt > 1) {
+#pragma omp barrier
+    }
+#endif
+    lora_split(nb, tid, nt, 16, &lo, &hi);
+    return total + read((const float *)d->bt + lo, hi - lo);
+}
+
+double lora_bench_read_deltas(const lora_delta *const *ds, int64_t n, int nthreads,
+                              int64_t *bytes) {
+    double total = 0.0;
+    int64_t read_bytes = 0;
+    const lora_read_fn read = lora_active_kernels()->read;
+    if (nthreads < 1 || lora_forked()) nthreads = 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (ds[i]->a_by_row || ds[i]->b_by_row) continue; /* a view of PEFT's own tensors */
+#ifdef _OPENMP
+        if (nthreads > 1) {
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+            total += read_delta_(ds[i], read, omp_get_thread_num(), omp_get_num_threads(),
+                                 &read_bytes);
+            continue;
+        }
+#endif
+        total += read_delta_(ds[i], read, 0, 1, &read_bytes);
+    }
+    if (bytes) *bytes = read_bytes;
     return total;
 }

@@ -147,3 +147,34 @@ def test_build_ab_runs_a_build_against_itself():
     lines = [ln for ln in done.stdout.splitlines() if "new/other" in ln]
     assert len(lines) == 4 and all("bits equal" in ln for ln in lines), done.stdout
     assert "DRAM read alongside" in done.stdout
+
+
+def test_the_deltas_reader_reads_each_stored_factor_once():
+    """The sweep's reference read of its deltas' own storage (``lora_bench_read_deltas``) covers
+    every stored byte of A and B^T once at 1 and 2 threads, and skips views of a caller's
+    memory (it must not read PEFT's tensors as if they were packed factors)."""
+    import numpy as np
+
+    import lora
+    from lora._lora_cffi import ffi, lib
+
+    rng = np.random.default_rng(3)
+    shapes = ((7, 100, 33), (16, 4096, 256), (1, 5, 3))
+    pairs = [(rng.integers(-4, 5, (r, c)).astype(np.float32),
+              rng.integers(-4, 5, (rows, r)).astype(np.float32)) for r, rows, c in shapes]
+    deltas = [lora.LoraDelta(a, b) for a, b in pairs]
+    ptrs = ffi.new("lora_delta *[]", [d._ptr for d in deltas])
+    nbytes = ffi.new("int64_t *")
+    want = sum(float(a.sum()) + float(b.sum()) for a, b in pairs)  # small integers: exact sums
+    for threads in (1, 2):
+        assert lib.lora_bench_read_deltas(ptrs, len(deltas), threads, nbytes) == want
+        least = sum(4 * r * (rows + c) for r, rows, c in shapes)  # rows padded to whole lines
+        assert least <= nbytes[0] <= least + sum(2 * r * 64 * 2 for r, _, _ in shapes)
+    lib.lora_bench_read_deltas(ptrs, len(deltas), 2, ffi.NULL)  # no byte count asked
+    a, b = pairs[0]
+    at = np.ascontiguousarray(a.T)  # A^T [cols, rank]: a view, held by row
+    view = lora.LoraDelta.view((at.ctypes.data, 7), (b.ctypes.data, 7), dtype="float32",
+                               rank=7, rows=100, cols=33, a_by_row=True, b_by_row=True,
+                               scale=1.0, keep=(at, b))
+    one = ffi.new("lora_delta *[]", [view._ptr])
+    assert lib.lora_bench_read_deltas(one, 1, 2, nbytes) == 0.0 and nbytes[0] == 0

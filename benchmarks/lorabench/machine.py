@@ -302,6 +302,26 @@ def make_reader(buf, threads):
     return r
 
 
+class _Stored:
+    """What a deltas reader holds: the deltas (alive while it runs) and the bytes it reads."""
+
+    def __init__(self, deltas, nbytes):
+        self.deltas, self.nbytes = deltas, nbytes
+
+
+def make_deltas_reader(deltas, threads):
+    """An Impl that reads the stored factors of `deltas` delta by delta with the C read kernel, as
+    their decode calls meet them (a reference: the memory system's share of a cold sweep)."""
+    from lora._lora_cffi import ffi, lib
+
+    ptrs = ffi.new("lora_delta *[]", [d._ptr for d in deltas])
+    nbytes = ffi.new("int64_t *")
+    lib.lora_bench_read_deltas(ptrs, len(deltas), threads, nbytes)
+    r = Impl(lib.lora_bench_read_deltas, ptrs, len(deltas), threads, ffi.NULL)
+    r.keep = _Stored((deltas, ptrs), nbytes[0])
+    return r
+
+
 def peak_flops(threads, mhz, isa):
     """Nominal peak: threads x GHz x lanes x 2 (FMA) x 2 FMA ports (an assumption, documented)."""
     if not mhz:

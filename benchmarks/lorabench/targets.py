@@ -85,6 +85,10 @@ class DramShare:
         if "same_size_read_bytes_per_s" in r:
             detail += (f"; a read of the sweep's {fmt_bytes(r['bytes'])}: "
                        f"{r['same_size_read_bytes_per_s'] / 1e9:.1f} GB/s")
+        if "deltas_read_bytes_per_s" in r:
+            dr = r["deltas_read_bytes_per_s"] / 1e9
+            detail += (f"; a read of its deltas' storage, delta by delta: {dr:.1f} GB/s = "
+                       f"{dr / dram:.2f} of DRAM, the sweep at {r['gb_per_s'] / dr:.2f} of it")
         return r["gb_per_s"] / dram, detail + ")", rows[:1]
 
 

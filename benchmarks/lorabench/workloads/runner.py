@@ -53,7 +53,8 @@ def analyse(wl, res, bw, peak, threads, caches, by_key):
     # calls move through more (the moe rows: each call routes to other experts)
     level = level_for(res.get("working_set_bytes", res["bytes"]), threads, caches)
     res["level"] = level
-    for ref, key in (("_dram_read", "dram_now_bytes_per_s"), ("_same_size_read", "same_size_read_bytes_per_s")):
+    for ref, key in (("_dram_read", "dram_now_bytes_per_s"), ("_same_size_read", "same_size_read_bytes_per_s"),
+                     ("_deltas_read", "deltas_read_bytes_per_s")):
         if ref in res["impls"]:
             r = res["impls"][ref]
             res[key] = r["bytes"] / r["median_s"]

@@ -3,8 +3,9 @@ model (``add_to`` per projection), as many layers as make its adapters stream fr
 
 Bytes / flops: the sum over its deltas of the decode model (`core.linear_model`).  Baselines:
 `baselines` (NumPy naive and tuned in float32, PyTorch in the row's storage dtype); references,
-measured alongside: the DRAM read bandwidth right now, and a read of as many bytes as the sweep
-moves (its roof).
+measured alongside: the DRAM read bandwidth right now, a read of as many bytes as the sweep
+moves (its roof), and a read of the deltas' own storage, delta by delta, with the call's team (what
+the memory system gives regions of that size one call at a time, with no arithmetic).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..machine import make_reader
+from ..machine import make_deltas_reader, make_reader
 from ..timing import Impl
 from .baselines import numpy_naive, numpy_tuned, torch_baseline
 from .core import TOL, Built, linear_model, lora_ref, make_delta, pair, rand, scale_of, torch_dtype
@@ -99,6 +100,9 @@ def build_sweep(ctx, layers, rank, dtype):
         impls["_dram_read"] = ctx.dram_reader  # DRAM read bandwidth right now (the target's)
         # and a read of as many bytes as the sweep moves (its roof: part of them may stay in L3)
         impls["_same_size_read"] = make_reader(np.ones(nbytes // 4 // 64 * 64, np.float32), ctx.threads)
+        # and a read of our deltas' own storage, delta by delta as the calls meet it: what the
+        # memory system gives these regions of a few hundred KiB each (no arithmetic at all)
+        impls["_deltas_read"] = make_deltas_reader(deltas, ctx.threads)
     if dtype == "float32":
         o_n, o_t = outs(), outs()
         impls["numpy_naive"] = numpy_naive([(a, b, s, xs[cols], o_n[rows]) for rows, cols, a, b in pairs])
