@@ -16,7 +16,8 @@ and whether the two builds gave the same bits.
 * ``prefill``: ``add_batch_to`` on one delta or a stack;
 * ``sweep``: one decode through every projection of ``--layers`` Llama-2-7B layers (rank 16),
   with this machine's DRAM read bandwidth measured alongside (``lora_bench_read``, the same
-  reference as bench.py's sweep rows).
+  reference as bench.py's sweep rows), and a read of the new build's deltas' own storage, delta
+  by delta (``lora_bench_read_deltas``).
 
   python benchmarks/build_ab.py --other /tmp/old [--rounds 15] [--only TEXT] [--quick]
 
@@ -149,12 +150,19 @@ def main():
             samples = 3 if row[1] == "prefill" or row[6] == "warm" else 1  # cold: one pass
             bits = same_bits(calls)
             times = {"new": [], "other": []}
-            dram = []
+            dram, stored = [], []
+            if row[1] == "sweep":  # the new build's deltas' own storage, read as the calls meet it
+                ptrs = ffi.new("lora_delta *[]", [fn.__self__._ptr for fn, _, _ in calls["new"]])
+                stored_bytes = ffi.new("int64_t *")
+                clib.lora_bench_read_deltas(ptrs, len(calls["new"]), 1, stored_bytes)
             for r in range(rounds):
                 if row[1] == "sweep":
                     t0 = time.perf_counter()
                     clib.lora_bench_read(bp, buf.size, 1, lora.get_num_threads())
                     dram.append(buf.nbytes / (time.perf_counter() - t0) / 1e9)
+                    t0 = time.perf_counter()
+                    clib.lora_bench_read_deltas(ptrs, len(calls["new"]), lora.get_num_threads(), ffi.NULL)
+                    stored.append(stored_bytes[0] / (time.perf_counter() - t0) / 1e9)
                 for key in (("new", "other") if r % 2 == 0 else ("other", "new")):
                     for fn, x, out in calls[key][:1]:
                         fn(x, out)  # this build's code and x in cache; a cold row's factors are not
@@ -176,6 +184,10 @@ def main():
                 line += (f"\n{'':34s} DRAM read alongside {bw:.1f} GB/s ({min(dram):.1f}-{max(dram):.1f}); "
                          f"factors read at {nbytes / (new_t * n) / 1e9 / bw:.2f} of it (new), "
                          f"{nbytes / (other_t * n) / 1e9 / bw:.2f} (other)")
+                sb = statistics.median(stored)
+                line += (f"\n{'':34s} the new deltas' storage read delta by delta (no arithmetic) "
+                         f"{sb:.1f} GB/s = {sb / bw:.2f} of the DRAM read; new at "
+                         f"{nbytes / (new_t * n) / 1e9 / sb:.2f} of it")
             print(line, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -146,7 +146,7 @@ def test_build_ab_runs_a_build_against_itself():
     assert done.returncode == 0, done.stderr
     lines = [ln for ln in done.stdout.splitlines() if "new/other" in ln]
     assert len(lines) == 4 and all("bits equal" in ln for ln in lines), done.stdout
-    assert "DRAM read alongside" in done.stdout
+    assert "DRAM read alongside" in done.stdout and "storage read delta by delta" in done.stdout
 
 
 def test_the_deltas_reader_reads_each_stored_factor_once():
