@@ -144,7 +144,9 @@ def main():
         buf = np.ones((8 if args.quick else 256) << 20 >> 2, np.float32)
         bp = ffi.from_buffer("float[]", buf)
         print(f"new: {os.path.dirname(lora.__file__)}; other: {args.other}; {rounds} rounds; "
-              f"ISA {lora.kernel_info()['isa']}, {lora.get_num_threads()} threads")
+              f"ISA {lora.kernel_info()['isa']}, {lora.get_num_threads()} threads"
+              + ("; --quick: a smoke run, its sizes too small for its times to mean anything"
+                 if args.quick else ""))
         for row in rows:
             calls, reps, what, nbytes = build(libs, row, args)
             samples = 3 if row[1] == "prefill" or row[6] == "warm" else 1  # cold: one pass
@@ -160,9 +162,12 @@ def main():
                     t0 = time.perf_counter()
                     clib.lora_bench_read(bp, buf.size, 1, lora.get_num_threads())
                     dram.append(buf.nbytes / (time.perf_counter() - t0) / 1e9)
-                    t0 = time.perf_counter()
-                    clib.lora_bench_read_deltas(ptrs, len(calls["new"]), lora.get_num_threads(), ffi.NULL)
-                    stored.append(stored_bytes[0] / (time.perf_counter() - t0) / 1e9)
+                    best_read = float("inf")
+                    for _ in range(2):  # both cold; the first may also pay for waking the team
+                        t0 = time.perf_counter()
+                        clib.lora_bench_read_deltas(ptrs, len(calls["new"]), lora.get_num_threads(), ffi.NULL)
+                        best_read = min(best_read, time.perf_counter() - t0)
+                    stored.append(best_read)
                 for key in (("new", "other") if r % 2 == 0 else ("other", "new")):
                     for fn, x, out in calls[key][:1]:
                         fn(x, out)  # this build's code and x in cache; a cold row's factors are not
@@ -184,10 +189,11 @@ def main():
                 line += (f"\n{'':34s} DRAM read alongside {bw:.1f} GB/s ({min(dram):.1f}-{max(dram):.1f}); "
                          f"factors read at {nbytes / (new_t * n) / 1e9 / bw:.2f} of it (new), "
                          f"{nbytes / (other_t * n) / 1e9 / bw:.2f} (other)")
-                sb = statistics.median(stored)
+                read_t = statistics.median(stored)
+                sb = stored_bytes[0] / read_t / 1e9
                 line += (f"\n{'':34s} the new deltas' storage read delta by delta (no arithmetic) "
-                         f"{sb:.1f} GB/s = {sb / bw:.2f} of the DRAM read; new at "
-                         f"{nbytes / (new_t * n) / 1e9 / sb:.2f} of it")
+                         f"{sb:.1f} GB/s = {sb / bw:.2f} of the DRAM read, taking "
+                         f"{read_t / (new_t * n):.2f} of new's time")
             print(line, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,9 +28,9 @@ double lora_bench_read(const float *buf, int64_t n, int64_t reps, int nthreads) 
     return total;
 }
 
-/* A delta's stored factors, read as its decode call meets them: A (the
- * project), then B^T (the accumulate), each split over the team, which meets
- * once in between; *bytes += what was read. */
+/* A delta's own packed factors (whole padded rows), read in the order its
+ * decode call meets them: A (the project), then B^T (the accumulate), each
+ * split over the team, which meets once in between; *bytes += what was read. */
 static double read_delta_(const lora_delta *d, lora_read_fn read, int tid, int nt, int64_t *bytes) {
     const int64_t isz = (int64_t)lora_dtype_size(d->dtype);
     const int64_t na = d->rank * d->lda * isz / 4, nb = d->rank * d->ldb * isz / 4;
@@ -54,7 +54,7 @@ double lora_bench_read_deltas(const lora_delta *const *ds, int64_t n, int nthrea
     const lora_read_fn read = lora_active_kernels()->read;
     if (nthreads < 1 || lora_forked()) nthreads = 1;
     for (int64_t i = 0; i < n; i++) {
-        if (ds[i]->a_by_row || ds[i]->b_by_row) continue; /* a view of PEFT's own tensors */
+        if (!ds[i]->owned) continue; /* a view of the caller's memory (PEFT's tensors) */
 #ifdef _OPENMP
         if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads) reduction(+ : total)

@@ -251,11 +251,12 @@ int lora_abs_max(const void *w, int w_dtype, int64_t ldw, int64_t rows, int64_t 
 /* benchmark helper: reads n floats reps times over nthreads threads with the
  * active ISA's widest loads; returns a checksum so nothing is optimised away */
 double lora_bench_read(const float *buf, int64_t n, int64_t reps, int nthreads);
-/* benchmark helper: reads the stored factors of n deltas delta by delta, as
- * their decode calls meet them (A, then B^T, a team per delta meeting once in
- * between), with the widest loads and no arithmetic: what the memory
- * system gives a decode sweep over them.  Views of a caller's memory are skipped;
- * *bytes (may be NULL) = the bytes read.  Returns a checksum. */
+/* benchmark helper: reads the packed factors of n deltas delta by delta, in
+ * the order their decode calls meet them (A, then B^T; a team of nthreads per
+ * delta, meeting once in between, whatever size the delta), with the widest
+ * loads and no arithmetic: what the memory system gives a decode sweep over
+ * them.  Deltas over a caller's memory (views) are skipped; *bytes (may be
+ * NULL) = the bytes read, padding included.  Returns a checksum. */
 double lora_bench_read_deltas(const lora_delta *const *ds, int64_t n, int nthreads,
                               int64_t *bytes);
 /* LORA_CDEF_END */

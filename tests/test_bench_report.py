@@ -173,8 +173,14 @@ def test_the_deltas_reader_reads_each_stored_factor_once():
     lib.lora_bench_read_deltas(ptrs, len(deltas), 2, ffi.NULL)  # no byte count asked
     a, b = pairs[0]
     at = np.ascontiguousarray(a.T)  # A^T [cols, rank]: a view, held by row
-    view = lora.LoraDelta.view((at.ctypes.data, 7), (b.ctypes.data, 7), dtype="float32",
-                               rank=7, rows=100, cols=33, a_by_row=True, b_by_row=True,
-                               scale=1.0, keep=(at, b))
-    one = ffi.new("lora_delta *[]", [view._ptr])
-    assert lib.lora_bench_read_deltas(one, 1, 2, nbytes) == 0.0 and nbytes[0] == 0
+    bt = np.ascontiguousarray(b.T)  # B^T [rank, rows]
+    wide = np.zeros((7, 40), np.float32)  # A [rank, cols] in rows of 40 (PEFT's experts' layout)
+    wide[:, :33] = a
+    views = [lora.LoraDelta.view((at.ctypes.data, 7), (b.ctypes.data, 7), dtype="float32",
+                                 rank=7, rows=100, cols=33, a_by_row=True, b_by_row=True,
+                                 scale=1.0, keep=(at, b)),
+             lora.LoraDelta.view((wide.ctypes.data, 40), (bt.ctypes.data, 100), dtype="float32",
+                                 rank=7, rows=100, cols=33, scale=1.0, keep=(wide, bt))]
+    for view in views:
+        one = ffi.new("lora_delta *[]", [view._ptr])
+        assert lib.lora_bench_read_deltas(one, 1, 2, nbytes) == 0.0 and nbytes[0] == 0
