@@ -3,11 +3,11 @@ model (``add_to`` per projection), as many layers as make its adapters stream fr
 
 Bytes: its deltas' factors, which is what a token reads from memory (x and out, one vector per
 width, stay in cache across the sweep's calls, so `core.linear_model`'s x and out bytes are left
-out: about 10 % more in float32, 19 % in half precision).  Flops: the sum over its deltas of the decode
-model (`core.linear_model`).  Baselines:
+out: about 10 % more in float32, 19 % in half precision).  Flops: the sum over its deltas of the
+decode model (`core.linear_model`).  Baselines:
 `baselines` (NumPy naive and tuned in float32, PyTorch in the row's storage dtype); references,
 measured alongside: the DRAM read bandwidth right now, a read of as many bytes as the sweep
-moves (its roof), and a read of the deltas' own storage, delta by delta, with the call's team (what
+moves (its roof), and a read of the deltas' own storage, delta by delta, on the whole team (what
 the memory system gives regions of that size one call at a time, with no arithmetic).
 """
 
