@@ -36,7 +36,10 @@ import time
 
 import numpy as np
 
-LLAMA2_7B = ((4096, 4096),) * 4 + ((11008, 4096), (11008, 4096), (4096, 11008))
+from lorabench.machine import make_deltas_reader, make_reader
+from lorabench.workloads.sweep import LLAMA2_7B as SWEEP_PROJECTIONS
+
+LLAMA2_7B = tuple((rows, cols) for _, rows, cols in SWEEP_PROJECTIONS)
 
 # (name, kind, rows, cols, ranks, dtype, batch or mode)
 ROWS = [(f"decode {r}x{c} r{k} {dt} {m}", "decode", r, c, [k], dt, m)
@@ -62,7 +65,15 @@ def load_other(path):
     tmp = tempfile.mkdtemp(prefix="lora_build_ab_")
     shutil.copytree(src, os.path.join(tmp, "lora_other"), ignore=shutil.ignore_patterns("__pycache__"))
     sys.path.insert(0, tmp)
-    return importlib.import_module("lora_other"), tmp
+    # an extension module registers itself under the name it was built with: the copy's
+    # _lora_cffi and _edge replace lora's own in sys.modules, so that a later
+    # `from lora._lora_cffi import lib` would get the other build's; put lora's back
+    ours = {k: v for k, v in sys.modules.items() if k == "lora" or k.startswith("lora.")}
+    other = importlib.import_module("lora_other")
+    for k in [k for k in sys.modules if k.startswith("lora.") and k not in ours]:
+        del sys.modules[k]
+    sys.modules.update(ours)
+    return other, tmp
 
 
 def weights(rng, rows, cols, rank):
@@ -133,7 +144,6 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny rows, two rounds (a smoke run)")
     args = ap.parse_args()
     import lora
-    from lora._lora_cffi import ffi, lib as clib
 
     other, tmp = load_other(args.other)
     try:
@@ -142,7 +152,7 @@ def main():
         rows = [r for r in rows if not args.only or any(t in r[0] for t in args.only)]
         rounds = 2 if args.quick else args.rounds
         buf = np.ones((8 if args.quick else 256) << 20 >> 2, np.float32)
-        bp = ffi.from_buffer("float[]", buf)
+        dram_read = make_reader(buf, lora.get_num_threads())
         print(f"new: {os.path.dirname(lora.__file__)}; other: {args.other}; {rounds} rounds; "
               f"ISA {lora.kernel_info()['isa']}, {lora.get_num_threads()} threads"
               + ("; --quick: a smoke run, its sizes too small for its times to mean anything"
@@ -154,20 +164,13 @@ def main():
             times = {"new": [], "other": []}
             dram, stored = [], []
             if row[1] == "sweep":  # the new build's deltas' own storage, read as the calls meet it
-                ptrs = ffi.new("lora_delta *[]", [fn.__self__._ptr for fn, _, _ in calls["new"]])
-                stored_bytes = ffi.new("int64_t *")
-                clib.lora_bench_read_deltas(ptrs, len(calls["new"]), 1, stored_bytes)
+                stored_read = make_deltas_reader([fn.__self__ for fn, _, _ in calls["new"]],
+                                                 lora.get_num_threads())
             for r in range(rounds):
                 if row[1] == "sweep":
-                    t0 = time.perf_counter()
-                    clib.lora_bench_read(bp, buf.size, 1, lora.get_num_threads())
-                    dram.append(buf.nbytes / (time.perf_counter() - t0) / 1e9)
-                    best_read = float("inf")
-                    for _ in range(2):  # both cold; the first may also pay for waking the team
-                        t0 = time.perf_counter()
-                        clib.lora_bench_read_deltas(ptrs, len(calls["new"]), lora.get_num_threads(), ffi.NULL)
-                        best_read = min(best_read, time.perf_counter() - t0)
-                    stored.append(best_read)
+                    dram.append(buf.nbytes / dram_read.run(1) / 1e9)
+                    # both cold; the first may also pay for waking the team
+                    stored.append(min(stored_read.run(1) for _ in range(2)))
                 for key in (("new", "other") if r % 2 == 0 else ("other", "new")):
                     for fn, x, out in calls[key][:1]:
                         fn(x, out)  # this build's code and x in cache; a cold row's factors are not
@@ -190,7 +193,7 @@ def main():
                          f"factors read at {nbytes / (new_t * n) / 1e9 / bw:.2f} of it (new), "
                          f"{nbytes / (other_t * n) / 1e9 / bw:.2f} (other)")
                 read_t = statistics.median(stored)
-                sb = stored_bytes[0] / read_t / 1e9
+                sb = stored_read.keep.nbytes / read_t / 1e9
                 line += (f"\n{'':34s} the new deltas' storage read delta by delta (no arithmetic) "
                          f"{sb:.1f} GB/s = {sb / bw:.2f} of the DRAM read, taking "
                          f"{read_t / (new_t * n):.2f} of new's time")
