@@ -1,7 +1,8 @@
 /*
- * bench.c - the benchmark's bandwidth probe: the active ISA's read kernel
- * over a buffer, split over threads, to measure each memory level's read
- * bandwidth for the roofline (benchmarks/), and over deltas' own storage.
+ * bench.c - the benchmark's probes: the active ISA's read kernel over a
+ * buffer, split over threads, to measure each memory level's read bandwidth
+ * for the roofline (benchmarks/), and over deltas' own storage; and its FMA
+ * kernel on every thread, the compute side of the roofline.
  */
 #include "internal.h"
 
@@ -66,5 +67,28 @@ double lora_bench_read_deltas(const lora_delta *const *ds, int64_t n, int nthrea
         total += read_delta_(ds[i], read, 0, 1, &read_bytes);
     }
     if (bytes) *bytes = read_bytes;
+    return total;
+}
+
+double lora_bench_fma(int64_t n, int nthreads, int64_t *flops) {
+    double total = 0.0;
+    int64_t done = 0;
+    const lora_peak_fn peak = lora_active_kernels()->peak;
+    if (nthreads < 1 || lora_forked()) nthreads = 1;
+    if (n < 0) n = 0;
+#ifdef _OPENMP
+    if (nthreads > 1) {
+#pragma omp parallel num_threads(nthreads) reduction(+ : total, done)
+        {
+            int64_t mine = 0;
+            total += peak(n, &mine);
+            done += mine;
+        }
+        if (flops) *flops = done;
+        return total;
+    }
+#endif
+    total = peak(n, &done);
+    if (flops) *flops = done;
     return total;
 }

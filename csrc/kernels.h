@@ -45,12 +45,13 @@
  *   widen_(src, n, dst, dt)       dt -> float32, exact    (dt, ot: not float32,
  *   narrow_(src, n, dst, ot)      float32 -> ot, nearest even  whose table entries copy)
  *   read_(buf, n)                 the benchmark's bandwidth probe
+ *   peak_(n, flops)               the benchmark's compute probe
  *   merge_row_(...)               the merges' row kernel
  * where the parts that are the same logic on several ISAs come from headers
  * the ISA file includes inside its target region (each says what it needs):
  *   kernels_merge.h   merge_row_, portable C                  (every ISA)
  *   kernels_strip.h   accumulate_ over term_/term_rows_       (AVX2, AVX-512, NEON)
- *   kernels_read.h    read_ over a small vector vocabulary    (AVX2, AVX-512, NEON)
+ *   kernels_read.h    read_, peak_ over a vector vocabulary   (AVX2, AVX-512, NEON)
  *   kernels_tails.h   the scalar tails, fma chains            (AVX2, NEON)
  *   kernels_pairs.h   project_ and term_: positions in pairs  (NEON)
  *   kernels_quads.h   term_: up to LORA_NB positions a tile   (AVX2, AVX-512)
@@ -65,7 +66,7 @@
  *   lora_accumulate_<dt>_<isa>   out dtype dt
  *   lora_widen_<dt>_<isa>, lora_narrow_<dt>_<isa>
  *   lora_merge_row_<isa>         (portable C, kernels_merge.h)
- *   lora_read_<isa>
+ *   lora_read_<isa>, lora_peak_<isa>
  * and the table `lora_kernels_<isa>` isa.c points at.
  */
 #ifndef LORA_KERNELS_H
@@ -210,6 +211,8 @@ typedef void (*lora_project_fn)(const void *a, int64_t lda, int64_t cols, int64_
 typedef void (*lora_accumulate_fn)(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
                                    int nb, void *const *outs);
 typedef double (*lora_read_fn)(const float *buf, int64_t n);
+/* n steps of independent FMA chains, no memory; *flops = the float32 flops done */
+typedef double (*lora_peak_fn)(int64_t n, int64_t *flops);
 /* dst[i] = src[i] as float32 for i < n (exact: every f16/bf16 value is a float32) */
 typedef void (*lora_widen_fn)(const void *src, int64_t n, float *dst);
 /* dst[i] = src[i] rounded to nearest even into the dtype for i < n (NaN stays
@@ -228,6 +231,7 @@ typedef struct {
     lora_narrow_fn narrow[LORA_DTYPE_COUNT];          /* [dtype] */
     lora_merge_row_fn merge_row;
     lora_read_fn read;
+    lora_peak_fn peak;
     /* bit 1 << dtype: this ISA sums that storage dtype in another order than
      * float32, so a float32 copy would change the bits (the own_order argument
      * of LORA_KERNEL_TABLE; the drivers never widen such a delta: LORA_WIDEN_MIN) */
@@ -301,6 +305,7 @@ extern const lora_kernel_table lora_kernels_neon;
     LORA_DTYPES(LORA_NARROW_FN_, ISA)                                                          \
     LORA_MERGE_FN_(ISA)                                                                        \
     static double lora_read_##ISA(const float *buf, int64_t n) { return read_(buf, n); }       \
+    static double lora_peak_##ISA(int64_t n, int64_t *flops) { return peak_(n, flops); }       \
     const lora_kernel_table lora_kernels_##ISA = {                                             \
         #ISA,                                                                                  \
         {LORA_DTYPES(LORA_PROJECT_AT_, ISA)},                                                  \
@@ -309,6 +314,7 @@ extern const lora_kernel_table lora_kernels_neon;
         {LORA_DTYPES(LORA_NARROW_AT_, ISA)},                                                   \
         lora_merge_row_##ISA,                                                                  \
         lora_read_##ISA,                                                                       \
+        lora_peak_##ISA,                                                                       \
         OWN_ORDER,                                                                             \
     };
 

@@ -313,6 +313,8 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
 #define read_load_(p) _mm256_loadu_ps(p)
 #define read_add_(a, b) _mm256_add_ps(a, b)
 #define read_hsum_(v) hsum_f32x8_(v)
+#define read_set1_(f) _mm256_set1_ps(f)
+#define read_fma_(a, b, c) _mm256_fmadd_ps(a, b, c)
 #include "kernels_read.h"
 
 LORA_KERNEL_TABLE(avx2, 0u)

@@ -548,6 +548,8 @@ INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
 #define read_load_(p) _mm512_loadu_ps(p)
 #define read_add_(a, b) _mm512_add_ps(a, b)
 #define read_hsum_(v) _mm512_reduce_add_ps(v)
+#define read_set1_(f) _mm512_set1_ps(f)
+#define read_fma_(a, b, c) _mm512_fmadd_ps(a, b, c)
 #include "kernels_read.h"
 
 /* bfloat16 A is summed in even/odd column pairs (see the header), not in

@@ -228,6 +228,8 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
 #define read_load_(p) vld1q_f32(p)
 #define read_add_(a, b) vaddq_f32(a, b)
 #define read_hsum_(v) hsum_f32x4_(v)
+#define read_set1_(f) vdupq_n_f32(f)
+#define read_fma_(a, b, c) vfmaq_f32(c, a, b)
 #include "kernels_read.h"
 
 LORA_KERNEL_TABLE(neon, 0u)

@@ -122,6 +122,20 @@ static inline double read_(const float *buf, int64_t n) {
     return s;
 }
 
+/* the compute probe: 32 independent chains of a * m + c (a multiply and an
+ * add: this file is built without contraction), vectorised or not as the
+ * compiler sees fit; each reaches exactly 1 (as in kernels_read.h) */
+static inline double peak_(int64_t n, int64_t *flops) {
+    float a[32];
+    for (int i = 0; i < 32; i++) a[i] = (float)i;
+    for (int64_t s = 0; s < n; s++)
+        for (int i = 0; i < 32; i++) a[i] = a[i] * 0.5f + 0.5f;
+    double sum = 0;
+    for (int i = 0; i < 32; i++) sum += a[i];
+    *flops = n * 32 * 2;
+    return sum;
+}
+
 static inline void widen_(const void *src, int64_t n, float *dst, const int dt) {
     for (int64_t i = 0; i < n; i++) dst[i] = lora_load_f32(src, i, dt);
 }

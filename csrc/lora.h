@@ -259,6 +259,11 @@ double lora_bench_read(const float *buf, int64_t n, int64_t reps, int nthreads);
  * NULL) = the bytes read, padding included.  Returns a checksum. */
 double lora_bench_read_deltas(const lora_delta *const *ds, int64_t n, int nthreads,
                               int64_t *bytes);
+/* benchmark helper: n steps of independent float32 FMA chains (the active
+ * ISA's widest vectors, no memory traffic) on each of nthreads threads;
+ * *flops (may be NULL) = the flops done, over all threads.  Returns a
+ * checksum (each chain reaches exactly 1). */
+double lora_bench_fma(int64_t n, int nthreads, int64_t *flops);
 /* LORA_CDEF_END */
 
 #ifdef __cplusplus

@@ -184,3 +184,32 @@ def test_the_deltas_reader_reads_each_stored_factor_once():
     for view in views:
         one = ffi.new("lora_delta *[]", [view._ptr])
         assert lib.lora_bench_read_deltas(one, 1, 2, nbytes) == 0.0 and nbytes[0] == 0
+
+
+def test_the_compute_probe_counts_its_flops_and_converges():
+    """The roofline's compute peak (``lora_bench_fma``): every chain reaches exactly 1, so the
+    checksum is the lane count of the active ISA's chains times the threads, and the flops it
+    reports are two per lane and step on every thread; a forked or odd thread count runs one."""
+    import lora
+    from lora._lora_cffi import ffi, lib
+
+    flops = ffi.new("int64_t *")
+    assert lib.lora_bench_fma(0, 1, flops) != lib.lora_bench_fma(10_000, 1, ffi.NULL)  # starts apart
+    one = lib.lora_bench_fma(100_000, 1, flops)
+    per_thread = flops[0]
+    lanes = one  # chains x lanes, each exactly 1.0 after ~30 steps of a <- a / 2 + 1 / 2
+    assert lanes == round(lanes) and lanes >= 32 and per_thread == 100_000 * 2 * lanes
+    for threads in (2, 0):
+        got = lib.lora_bench_fma(100_000, threads, flops)
+        want = max(threads, 1) if lora.kernel_info()["openmp"] else 1
+        assert got == want * lanes and flops[0] == want * per_thread
+
+
+def test_the_report_prints_the_measured_peak_beside_the_nominal_one():
+    meta = {"threads": 2, "cpu": {"mhz": 2600.0}, "lora": {"isa": "avx512"}, "bw_trials": 6,
+            "peak_flops_nominal": 332.8e9, "peak_flops": 224.0e9, "peak_measured": True}
+    line = report._peak_line(meta)
+    assert line.startswith("compute peak (C kernel lora_bench_fma, 2 threads") and "224 GFLOP/s" in line
+    assert "0.67x the nominal 2 threads x 2.60 GHz x 64 flop/cycle" in line and "333 GFLOP/s" in line
+    meta.update(peak_flops=332.8e9, peak_measured=False)
+    assert report._peak_line(meta).startswith("compute peak (nominal; the measurement failed)")

@@ -3,7 +3,8 @@
 ``benchmarks/bench.py`` is the entry point; the package holds the parts:
 
 * ``machine``   CPU, caches (sysfs, else getconf), memory, thread pools, read bandwidth per level
-                (the extension's C read kernel ``lora_bench_read``), nominal compute peak, and the
+                (the extension's C read kernel ``lora_bench_read``), compute peak (its FMA kernel
+                ``lora_bench_fma``, beside the nominal figure), and the
                 CPU other processes take while we measure (``/proc/stat``, ``/proc/loadavg``);
 * ``timing``    pre-bound calls in calibrated loops, rounds over the implementations, medians;
 * ``workloads`` the rows, one module per family (decode/prefill/stack, gather, model sweep, bank,
@@ -51,8 +52,12 @@ machine's last-level cache (its half-precision adapters >= 2x the LLC, see
 ``workloads.sweep.size_sweep``) so that it streams from DRAM; its roof is the read kernel on a buffer
 as large as the sweep, and its DRAM target divides by the DRAM figure, both measured interleaved
 with it.  The lower bound of a call's time is max(bytes / bandwidth(level), flops / peak), with
-peak = threads x nominal GHz x SIMD lanes x 2 (FMA) x 2 FMA ports; "% roof" is that bound over
-the measured median.
+peak the float32 flops per second of independent FMA chains on the active ISA's vectors, every
+thread (``lora_bench_fma``, measured in the same rounds as the bandwidths and kept the same
+way); "% roof" is that bound over the measured median.  The nominal peak (threads x nominal GHz
+x SIMD lanes x 2 (FMA) x 2 FMA ports) is printed beside it: it overstates a core that runs
+512-bit FMAs on 256-bit units (Zen 4: half) or has one FMA port, and understates a boosting
+clock.
 
 Noise
 -----

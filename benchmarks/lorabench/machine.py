@@ -249,15 +249,25 @@ def bandwidth_buffers(caches, threads):
 
 
 def measure_bandwidth(threads, caches, trials, progress, monitor=None, quiet_wait_s=0.0, retries=3):
-    """Read bandwidth per level with the extension's C kernel, bytes/s: the best of `trials`
-    rounds, each round visiting every level (a noisy second on a shared machine then spoils one
-    trial of each level, not all trials of one).  With `quiet_wait_s`, a round during which other
-    processes were busy is repeated once they are idle.  Returns the figures, a reader of the
-    DRAM-sized buffer (the sweep re-measures DRAM alongside itself) and the most CPU others took
-    during a kept round."""
-    from lora._lora_cffi import ffi, lib  # the private bench kernel
+    """Read bandwidth per level with the extension's C kernel, bytes/s, and the compute peak
+    (its FMA kernel, flop/s): the best of `trials` rounds, each round visiting every level and the
+    FMA kernel (a noisy second on a shared machine then spoils one trial of each, not all trials
+    of one).  With `quiet_wait_s`, a round during which other processes were busy is repeated
+    once they are idle.  Returns the figures (the levels, and "peak": flops_per_s and flops per
+    trial), a reader of the DRAM-sized buffer (the sweep re-measures DRAM alongside itself) and
+    the most CPU others took during a kept round."""
+    from lora._lora_cffi import ffi, lib  # the private bench kernels
 
-    read = lib.lora_bench_read
+    read, fma = lib.lora_bench_read, lib.lora_bench_fma
+    flops = ffi.new("int64_t *")
+    steps = PEAK_STEPS_START
+    while True:  # >= PEAK_TRIAL_S a trial, sized on this machine
+        t0 = time.perf_counter_ns()
+        fma(steps, threads, flops)
+        if (time.perf_counter_ns() - t0) * 1e-9 >= PEAK_TRIAL_S / 2 or steps >= 1 << 40:
+            steps *= 2
+            break
+        steps *= 2
     bufs = {}
     for level, nbytes in bandwidth_buffers(caches, threads).items():
         progress(f"bandwidth: allocating {level} buffer ({fmt_bytes(nbytes)})")
@@ -266,7 +276,7 @@ def measure_bandwidth(threads, caches, trials, progress, monitor=None, quiet_wai
         reps = max(1, int(512e6 // (n * 4)))  # >= 512 MB read per trial (>= 1 ms even from L1)
         bufs[level] = (buf, ffi.from_buffer("float[]", buf), n, reps)
     time.sleep(0.2)  # let pools started by the set-up (OpenBLAS spins ~0.1 s) go idle
-    best = dict.fromkeys(bufs, math.inf)
+    best = dict.fromkeys(list(bufs) + ["peak"], math.inf)
     busy_max = None
     for t in range(trials):
         for attempt in range(retries + 1):
@@ -281,6 +291,9 @@ def measure_bandwidth(threads, caches, trials, progress, monitor=None, quiet_wai
                 t0 = time.perf_counter_ns()
                 read(ptr, n, reps, threads)
                 times[level] = (time.perf_counter_ns() - t0) * 1e-9
+            t0 = time.perf_counter_ns()
+            fma(steps, threads, flops)
+            times["peak"] = (time.perf_counter_ns() - t0) * 1e-9
             busy = monitor.others() if monitor is not None else None
             if monitor is None or not quiet_wait_s or attempt == retries or monitor.quiet_enough(busy):
                 break
@@ -290,6 +303,7 @@ def measure_bandwidth(threads, caches, trials, progress, monitor=None, quiet_wai
             best[level] = min(best[level], dt)
     out = {lv: {"buffer_bytes": n * 4, "reps": reps, "bytes_per_s": n * 4 * reps / best[lv]}
            for lv, (_, _, n, reps) in bufs.items()}
+    out["peak"] = {"flops": flops[0], "flops_per_s": flops[0] / best["peak"]}
     return out, make_reader(bufs["DRAM"][0], threads), busy_max
 
 
@@ -322,8 +336,15 @@ def make_deltas_reader(deltas, threads):
     return r
 
 
+PEAK_STEPS_START = 1 << 12
+PEAK_TRIAL_S = 0.02
+
+
 def peak_flops(threads, mhz, isa):
-    """Nominal peak: threads x GHz x lanes x 2 (FMA) x 2 FMA ports (an assumption, documented)."""
+    """Nominal peak: threads x GHz x lanes x 2 (FMA) x 2 FMA ports, the figure a spec sheet
+    gives.  It is printed beside the measured peak (``measure_bandwidth``'s "peak", which the
+    roofline uses): a 512-bit FMA on 256-bit units (Zen 4), one FMA port, or a clock above the
+    nominal one each make the two differ."""
     if not mhz:
         return None
     return threads * mhz * 1e6 * LANES.get(isa, 1) * 2 * 2
