@@ -24,9 +24,10 @@
  *               project over k, hsum8 the hadd tree of hsum8x8_.
  * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads), the
  * fma chains of kernels_tails.h, shared with the NEON file.
- * Accumulators: project keeps 4 ranks x 2 positions, or 8 ranks of one
- * position, = 8 independent ymm chains (FMA latency 4 x 2 ports = 8 in
- * flight); accumulate keeps 4 row vectors x 1 or 2 positions = 4 or 8 block
+ * Accumulators: project keeps 8 ranks of one position (8 independent ymm
+ * chains: FMA latency 4 x 2 ports = 8 in flight) over whole rows, or for a
+ * batch up to 12 chains of nr ranks x nb positions over 512-column chunks
+ * (project_batch_); accumulate keeps 4 row vectors x 1 or 2 positions = 4 or 8 block
  * chains plus their running totals, except a decode (one position), whose two
  * row vectors (one line of M) walk every row of the rank before the next
  * (term_decode_).  How many ranks
@@ -137,16 +138,81 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
     for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, nb, xs, t, ldt, dt, xt);
 }
 
-/* positions in pairs: 4 positions x 2 ranks per tile measured ~15 % slower than two pairs
- * of 4 ranks on a Zen 3 (four x rows of a 4096-column layer fill twice the L1) */
+/* A batch (nb >= 2 positions) walks the columns in chunks of CHUNK_, and
+ * within a chunk every tile of nr ranks x nb positions reads the same nb
+ * x-chunks, which stay in L1 (4 x 2 KiB) while A comes from L2 once per
+ * block of positions, each A load feeding all nb of them.  Tiles keep
+ * nr * nb <= 12 chains in registers (3 ranks x 4 positions with the 3 A
+ * vectors held and one x at a time; 4 x 3 and 6 x 2 with the x vectors held
+ * and one A at a time: <= 16 ymm), then tiles of 2 and 1 rank for the rest;
+ * between chunks a tile's lanes live in `state`.  Chunk edges are multiples of 8, so each lane still sums its
+ * j = l (mod 8) terms in ascending j: the header's order, whatever the tile. */
+#define CHUNK_ 512
+#define KGROUP_ 24
+
+/* nr ranks (k .. k+nr) x nb positions over columns [j0, j1) (whole vectors);
+ * the chains in state[r * nb + b] */
+INLINE_ void project_chunk_(const void *a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
+                            const int nr, const int nb, const void *const *xs, __m256 *state,
+                            const int dt, const int xt) {
+    __m256 acc_f32x8[12];
+    for (int i = 0; i < nr * nb; i++) acc_f32x8[i] = state[i];
+    for (int64_t j = j0; j < j1; j += 8) {
+        if (nb == 4) {  /* the nr A vectors in registers, one x at a time */
+            __m256 a_f32x8[3];
+            for (int r = 0; r < nr; r++) a_f32x8[r] = load_f32x8_(a, (k + r) * lda + j, dt);
+            for (int b = 0; b < nb; b++) {
+                const __m256 x_f32x8 = load_f32x8_(xs[b], j, xt);
+                for (int r = 0; r < nr; r++)
+                    acc_f32x8[r * nb + b] = _mm256_fmadd_ps(a_f32x8[r], x_f32x8, acc_f32x8[r * nb + b]);
+            }
+        } else {  /* the nb x vectors in registers, one A row at a time */
+            __m256 x_f32x8[3];
+            for (int b = 0; b < nb; b++) x_f32x8[b] = load_f32x8_(xs[b], j, xt);
+            for (int r = 0; r < nr; r++) {
+                const __m256 a_f32x8 = load_f32x8_(a, (k + r) * lda + j, dt);
+                for (int b = 0; b < nb; b++)
+                    acc_f32x8[r * nb + b] = _mm256_fmadd_ps(a_f32x8, x_f32x8[b], acc_f32x8[r * nb + b]);
+            }
+        }
+    }
+    for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x8[i];
+}
+
+INLINE_ void project_batch_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                            const int nb, const void *const *xs, float *t, int64_t ldt,
+                            const int dt, const int xt) {
+    const int nr = nb == 2 ? 6 : nb == 3 ? 4 : 3;
+    const int64_t body = cols & ~(int64_t)7;
+    __m256 state[KGROUP_ * LORA_NB];
+    for (int64_t kg = k0; kg < k1; kg += KGROUP_) {
+        const int kn = (int)(k1 - kg < KGROUP_ ? k1 - kg : KGROUP_);
+        for (int i = 0; i < kn * nb; i++) state[i] = _mm256_setzero_ps();
+        for (int64_t j0 = 0; j0 < body; j0 += CHUNK_) {
+            const int64_t j1 = j0 + CHUNK_ < body ? j0 + CHUNK_ : body;
+            int k = 0;
+            for (; k + nr <= kn; k += nr)
+                project_chunk_(a, lda, kg + k, j0, j1, nr, nb, xs, state + k * nb, dt, xt);
+            for (; k + 2 <= kn; k += 2)
+                project_chunk_(a, lda, kg + k, j0, j1, 2, nb, xs, state + k * nb, dt, xt);
+            for (; k < kn; k++) project_chunk_(a, lda, kg + k, j0, j1, 1, nb, xs, state + k * nb, dt, xt);
+        }
+        for (int k = 0; k < kn; k++)
+            for (int b = 0; b < nb; b++) {
+                const float tail = fma_tail_(a, (kg + k) * lda + body, dt, xs[b], body, xt, cols - body);
+                t[b * ldt + kg + k] = hsum_f32x8_(state[k * nb + b]) + tail;
+            }
+    }
+}
+
 INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                       int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
                       const int xt) {
-    for (int b = 0; b < nb; b += 2) {
-        if (nb - b >= 2)
-            project_nb_(a, lda, cols, k0, k1, 2, xs + b, t + b * ldt, ldt, dt, xt);
-        else
-            project_nb_(a, lda, cols, k0, k1, 1, xs + b, t + b * ldt, ldt, dt, xt);
+    switch (nb) {  /* a constant nb keeps every chain of a tile in a register */
+    case 1: project_nb_(a, lda, cols, k0, k1, 1, xs, t, ldt, dt, xt); break;
+    case 2: project_batch_(a, lda, cols, k0, k1, 2, xs, t, ldt, dt, xt); break;
+    case 3: project_batch_(a, lda, cols, k0, k1, 3, xs, t, ldt, dt, xt); break;
+    default: project_batch_(a, lda, cols, k0, k1, 4, xs, t, ldt, dt, xt); break;
     }
 }
 
