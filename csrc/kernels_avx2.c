@@ -101,41 +101,30 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 
 #include "kernels_tails.h"
 
-/* nr ranks (k .. k+nr) x nb positions, nb in {1, 2}: nr * nb <= 8 independent chains (what
- * two FMA ports of latency 4 need in flight) + nb x vectors + 1 A vector <= 11 of the 16 ymm */
+/* A decode (one position): nr ranks (k .. k+nr) over whole rows, nr <= 8 independent chains
+ * (what two FMA ports of latency 4 need in flight) + the x vector + 1 A vector */
 INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
-                           const int nb, const void *const *xs, float *t, int64_t ldt,
-                           const int dt, const int xt) {
-    __m256 acc_f32x8[8][2];
-    for (int r = 0; r < nr; r++)
-        for (int b = 0; b < nb; b++) acc_f32x8[r][b] = _mm256_setzero_ps();
+                           const void *x, float *t, const int dt, const int xt) {
+    __m256 acc_f32x8[8];
+    for (int r = 0; r < nr; r++) acc_f32x8[r] = _mm256_setzero_ps();
     const int64_t body = cols & ~(int64_t)7;
     for (int64_t j = 0; j < body; j += 8) {
-        __m256 x_f32x8[2];
-        for (int b = 0; b < nb; b++) x_f32x8[b] = load_f32x8_(xs[b], j, xt);
-        for (int r = 0; r < nr; r++) {
-            const __m256 a_f32x8 = load_f32x8_(a, (k + r) * lda + j, dt);
-            for (int b = 0; b < nb; b++)
-                acc_f32x8[r][b] = _mm256_fmadd_ps(a_f32x8, x_f32x8[b], acc_f32x8[r][b]);
-        }
+        const __m256 x_f32x8 = load_f32x8_(x, j, xt);
+        for (int r = 0; r < nr; r++)
+            acc_f32x8[r] = _mm256_fmadd_ps(load_f32x8_(a, (k + r) * lda + j, dt), x_f32x8, acc_f32x8[r]);
     }
     for (int r = 0; r < nr; r++) {
-        for (int b = 0; b < nb; b++) {
-            const float tail = fma_tail_(a, (k + r) * lda + body, dt, xs[b], body, xt, cols - body);
-            t[b * ldt + k + r] = hsum_f32x8_(acc_f32x8[r][b]) + tail;
-        }
+        const float tail = fma_tail_(a, (k + r) * lda + body, dt, x, body, xt, cols - body);
+        t[k + r] = hsum_f32x8_(acc_f32x8[r]) + tail;
     }
 }
 
-/* ranks [k0, k1) of nb positions, nb in {1, 2} (a constant nb keeps every accumulator in a
- * register): tiles of 8 / nb ranks (8 chains), then one rank at a time */
-INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                         const int nb, const void *const *xs, float *t, int64_t ldt,
-                         const int dt, const int xt) {
-    const int nr = nb == 1 ? 8 : 4;
+/* ranks [k0, k1) of one position: tiles of 8 ranks, then one rank at a time */
+INLINE_ void project_decode_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                             const void *x, float *t, const int dt, const int xt) {
     int64_t k = k0;
-    for (; k + nr <= k1; k += nr) project_tile_(a, lda, cols, k, nr, nb, xs, t, ldt, dt, xt);
-    for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, nb, xs, t, ldt, dt, xt);
+    for (; k + 8 <= k1; k += 8) project_tile_(a, lda, cols, k, 8, x, t, dt, xt);
+    for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, x, t, dt, xt);
 }
 
 /* A batch (nb >= 2 positions) walks the columns in chunks of CHUNK_, and
@@ -209,7 +198,7 @@ INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int6
                       int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
                       const int xt) {
     switch (nb) {  /* a constant nb keeps every chain of a tile in a register */
-    case 1: project_nb_(a, lda, cols, k0, k1, 1, xs, t, ldt, dt, xt); break;
+    case 1: project_decode_(a, lda, cols, k0, k1, xs[0], t, dt, xt); break;
     case 2: project_batch_(a, lda, cols, k0, k1, 2, xs, t, ldt, dt, xt); break;
     case 3: project_batch_(a, lda, cols, k0, k1, 3, xs, t, ldt, dt, xt); break;
     default: project_batch_(a, lda, cols, k0, k1, 4, xs, t, ldt, dt, xt); break;
