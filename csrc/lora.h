@@ -262,7 +262,7 @@ double lora_bench_read_deltas(const lora_delta *const *ds, int64_t n, int nthrea
 /* benchmark helper: n steps of independent float32 FMA chains (the active
  * ISA's widest vectors, no memory traffic) on each of nthreads threads;
  * *flops (may be NULL) = the flops done, over all threads.  Returns a
- * checksum (each chain reaches exactly 1). */
+ * checksum (from about 30 steps on, each chain holds exactly 1). */
 double lora_bench_fma(int64_t n, int nthreads, int64_t *flops);
 /* LORA_CDEF_END */
 
