@@ -84,11 +84,9 @@ double lora_bench_fma(int64_t n, int nthreads, int64_t *flops) {
             total += peak(n, &mine);
             done += mine;
         }
-        if (flops) *flops = done;
-        return total;
-    }
+    } else
 #endif
-    total = peak(n, &done);
+        total = peak(n, &done);
     if (flops) *flops = done;
     return total;
 }

@@ -27,11 +27,11 @@
  * Accumulators: project keeps 8 ranks of one position (8 independent ymm
  * chains: FMA latency 4 x 2 ports = 8 in flight) over whole rows, or for a
  * batch up to 12 chains of nr ranks x nb positions over 512-column chunks
- * (project_batch_); accumulate keeps 4 row vectors x 1 or 2 positions = 4 or 8 block
- * chains plus their running totals, except a decode (one position), whose two
- * row vectors (one line of M) walk every row of the rank before the next
- * (term_decode_).  How many ranks
- * or rows share a tile changes no element's order.
+ * (project_batch_); accumulate keeps 4 row vectors x 1 or 2 positions = 4
+ * or 8 block chains plus their running totals, except a decode (one
+ * position), whose two row vectors (one line of M) walk every row of the rank
+ * before the next (term_decode_).  How many ranks or rows share a tile
+ * changes no element's order.
  */
 #include "kernels.h"
 
@@ -134,8 +134,9 @@ INLINE_ void project_decode_(const void *a, int64_t lda, int64_t cols, int64_t k
  * nr * nb <= 12 chains in registers (3 ranks x 4 positions with the 3 A
  * vectors held and one x at a time; 4 x 3 and 6 x 2 with the x vectors held
  * and one A at a time: <= 16 ymm), then tiles of 2 and 1 rank for the rest;
- * between chunks a tile's lanes live in `state`.  Chunk edges are multiples of 8, so each lane still sums its
- * j = l (mod 8) terms in ascending j: the header's order, whatever the tile. */
+ * between chunks a tile's lanes live in `state`.  Chunk edges are multiples
+ * of 8, so each lane still sums its j = l (mod 8) terms in ascending j: the
+ * header's order, whatever the tile. */
 #define CHUNK_ 512
 #define KGROUP_ 24
 

@@ -237,6 +237,8 @@ def loadavg():
 
 LEVELS = ("L1", "L2", "L3", "DRAM")
 LANES = {"avx512": 16, "avx2": 8, "neon": 4, "scalar": 1}
+PEAK_STEPS_START = 1 << 12  # FMA-kernel steps of the first sizing run
+PEAK_TRIAL_S = 0.02  # a compute-peak trial lasts at least this long
 
 
 def bandwidth_buffers(caches, threads):
@@ -261,13 +263,13 @@ def measure_bandwidth(threads, caches, trials, progress, monitor=None, quiet_wai
     read, fma = lib.lora_bench_read, lib.lora_bench_fma
     flops = ffi.new("int64_t *")
     steps = PEAK_STEPS_START
-    while True:  # >= PEAK_TRIAL_S a trial, sized on this machine
+    while True:  # a trial: twice the first run of >= half of PEAK_TRIAL_S, sized on this machine
         t0 = time.perf_counter_ns()
         fma(steps, threads, flops)
-        if (time.perf_counter_ns() - t0) * 1e-9 >= PEAK_TRIAL_S / 2 or steps >= 1 << 40:
-            steps *= 2
-            break
+        long_enough = (time.perf_counter_ns() - t0) * 1e-9 >= PEAK_TRIAL_S / 2 or steps >= 1 << 40
         steps *= 2
+        if long_enough:
+            break
     bufs = {}
     for level, nbytes in bandwidth_buffers(caches, threads).items():
         progress(f"bandwidth: allocating {level} buffer ({fmt_bytes(nbytes)})")
@@ -334,10 +336,6 @@ def make_deltas_reader(deltas, threads):
     r = Impl(lib.lora_bench_read_deltas, ptrs, len(deltas), threads, ffi.NULL)
     r.keep = _Stored((deltas, ptrs), nbytes[0])
     return r
-
-
-PEAK_STEPS_START = 1 << 12
-PEAK_TRIAL_S = 0.02
 
 
 def peak_flops(threads, mhz, isa):
