@@ -189,6 +189,8 @@ int lora_set_isa(int isa) {
     return st;
 }
 
+int64_t lora_project_column_block(void) { return LORA_JBLOCK; }
+
 const char *lora_compiler(void) {
 #if defined(__clang__)
     return "clang " __clang_version__;

@@ -172,6 +172,15 @@ static inline size_t lora_dtype_size(int dtype) {
  * chain; at rank 256 the rounding error drops about 4x against one chain,
  * which keeps high ranks within the accuracy rule (2x NumPy's error). */
 #define LORA_KBLOCK 16
+/* project sums a long row in blocks of this many columns: every lane's chain
+ * starts from 0 in each block, each block's lanes go through the ISA's
+ * horizontal sum, and the blocks' sums are added in order.  A row of at most
+ * LORA_JBLOCK columns is one block (the order it always had).  On
+ * rows of 14336-28672 columns (Llama-3-8B and Llama-2-70B down projections)
+ * one chain a lane put the AVX2 and portable paths' error at 2.1-2.9x
+ * NumPy's, past the accuracy rule (2x); a multiple of every path's vector
+ * width and chunk, so the blocks' edges fall on whole vectors. */
+#define LORA_JBLOCK 4096
 /* outputs per strip in accumulate: the strip of nb positions (nb x 128
  * float32 = 2 KiB) stays in L1 while every term of a stack adds into it */
 #define LORA_STRIP 128

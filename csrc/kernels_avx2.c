@@ -8,8 +8,11 @@
  *
  * Summation order (one per output element, shared by decode, batch, stack
  * and bank):
- *   project     t[k] = hsum8(lanes) + tail, where lane l = fma-chain over
- *               j = l (mod 8), ascending, for j < cols rounded down to 8;
+ *   project     t[k] = ((r_0 + r_1) + r_2) ... + tail, one r_m per column
+ *               block m ([m, m+1) x LORA_JBLOCK within cols rounded down to
+ *               8; a row of up to 4096 columns is one block), r_m =
+ *               hsum8(lanes), lane l = fma-chain from 0 over the block's
+ *               j = l (mod 8), ascending;
  *               hsum8 = ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) (the fixed
  *               128-bit-halves, movehl, shuffle tree); tail = fma-chain from
  *               0 over the last cols mod 8 values, ascending.
@@ -21,11 +24,12 @@
  *               bits.
  *   by_row      (a term held by output, a caller's lora_B [out, r]) out[i] =
  *               fma(hsum8(lanes) + tail, s, out[i]), lanes and tail as in
- *               project over k, hsum8 the hadd tree of hsum8x8_.
+ *               project over k (one block whatever the rank), hsum8 the hadd
+ *               tree of hsum8x8_.
  * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads), the
  * fma chains of kernels_tails.h, shared with the NEON file.
  * Accumulators: project keeps 8 ranks of one position (8 independent ymm
- * chains: FMA latency 4 x 2 ports = 8 in flight) over whole rows, or for a
+ * chains: FMA latency 4 x 2 ports = 8 in flight) over whole column blocks, or for a
  * batch up to 12 chains of nr ranks x nb positions over 512-column chunks
  * (project_batch_); accumulate keeps 4 row vectors x 1 or 2 positions = 4
  * or 8 block chains plus their running totals, except a decode (one
@@ -105,17 +109,26 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
  * (what two FMA ports of latency 4 need in flight) + the x vector + 1 A vector */
 INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
                            const void *x, float *t, const int dt, const int xt) {
-    __m256 acc_f32x8[8];
-    for (int r = 0; r < nr; r++) acc_f32x8[r] = _mm256_setzero_ps();
+    float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* the finished column blocks' sums */
     const int64_t body = cols & ~(int64_t)7;
-    for (int64_t j = 0; j < body; j += 8) {
-        const __m256 x_f32x8 = load_f32x8_(x, j, xt);
-        for (int r = 0; r < nr; r++)
-            acc_f32x8[r] = _mm256_fmadd_ps(load_f32x8_(a, (k + r) * lda + j, dt), x_f32x8, acc_f32x8[r]);
+    for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) {
+        const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
+        __m256 acc_f32x8[8];
+        for (int r = 0; r < nr; r++) acc_f32x8[r] = _mm256_setzero_ps();
+        for (int64_t j = jb; j < je; j += 8) {
+            const __m256 x_f32x8 = load_f32x8_(x, j, xt);
+            for (int r = 0; r < nr; r++)
+                acc_f32x8[r] =
+                    _mm256_fmadd_ps(load_f32x8_(a, (k + r) * lda + j, dt), x_f32x8, acc_f32x8[r]);
+        }
+        for (int r = 0; r < nr; r++) {
+            const float block = hsum_f32x8_(acc_f32x8[r]);
+            sum[r] = jb == 0 ? block : sum[r] + block;
+        }
     }
     for (int r = 0; r < nr; r++) {
         const float tail = fma_tail_(a, (k + r) * lda + body, dt, x, body, xt, cols - body);
-        t[k + r] = hsum_f32x8_(acc_f32x8[r]) + tail;
+        t[k + r] = sum[r] + tail;
     }
 }
 
@@ -169,28 +182,52 @@ INLINE_ void project_chunk_(const void *a, int64_t lda, int64_t k, int64_t j0, i
     for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x8[i];
 }
 
+/* ranks kg .. kg+kn over the whole-vector columns [j0, j1), in chunks of CHUNK_.  Called from
+ * one place only: a second inlined copy (a separate loop for one-block rows) made GCC keep the
+ * tile's chains in memory, 10 % more instructions on a 512-position prefill (callgrind) */
+INLINE_ void project_span_(const void *a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
+                           const int nr, const int nb, const void *const *xs, __m256 *state,
+                           const int dt, const int xt) {
+    for (int64_t c0 = j0; c0 < j1; c0 += CHUNK_) {
+        const int64_t c1 = c0 + CHUNK_ < j1 ? c0 + CHUNK_ : j1;
+        int k = 0;
+        for (; k + nr <= kn; k += nr)
+            project_chunk_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, dt, xt);
+        for (; k + 2 <= kn; k += 2)
+            project_chunk_(a, lda, kg + k, c0, c1, 2, nb, xs, state + k * nb, dt, xt);
+        for (; k < kn; k++) project_chunk_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, dt, xt);
+    }
+}
+
 INLINE_ void project_batch_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                             const int nb, const void *const *xs, float *t, int64_t ldt,
                             const int dt, const int xt) {
     const int nr = nb == 2 ? 6 : nb == 3 ? 4 : 3;
     const int64_t body = cols & ~(int64_t)7;
-    __m256 state[KGROUP_ * LORA_NB];
+    __m256 state[KGROUP_ * LORA_NB]; /* the current column block's chains */
     for (int64_t kg = k0; kg < k1; kg += KGROUP_) {
         const int kn = (int)(k1 - kg < KGROUP_ ? k1 - kg : KGROUP_);
         for (int i = 0; i < kn * nb; i++) state[i] = _mm256_setzero_ps();
-        for (int64_t j0 = 0; j0 < body; j0 += CHUNK_) {
-            const int64_t j1 = j0 + CHUNK_ < body ? j0 + CHUNK_ : body;
-            int k = 0;
-            for (; k + nr <= kn; k += nr)
-                project_chunk_(a, lda, kg + k, j0, j1, nr, nb, xs, state + k * nb, dt, xt);
-            for (; k + 2 <= kn; k += 2)
-                project_chunk_(a, lda, kg + k, j0, j1, 2, nb, xs, state + k * nb, dt, xt);
-            for (; k < kn; k++) project_chunk_(a, lda, kg + k, j0, j1, 1, nb, xs, state + k * nb, dt, xt);
+        int blocks = 0; /* column blocks (LORA_JBLOCK) finished: their sums are in t */
+        for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) { /* one call site: see above */
+            const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
+            project_span_(a, lda, kg, kn, jb, je, nr, nb, xs, state, dt, xt);
+            if (je < body) { /* a block ends and another follows: its sum joins t */
+                for (int k = 0; k < kn; k++)
+                    for (int b = 0; b < nb; b++) {
+                        float *tk = &t[b * ldt + kg + k];
+                        const float sum = hsum_f32x8_(state[k * nb + b]);
+                        *tk = blocks ? *tk + sum : sum;
+                        state[k * nb + b] = _mm256_setzero_ps();
+                    }
+                blocks++;
+            }
         }
         for (int k = 0; k < kn; k++)
             for (int b = 0; b < nb; b++) {
                 const float tail = fma_tail_(a, (kg + k) * lda + body, dt, xs[b], body, xt, cols - body);
-                t[b * ldt + kg + k] = hsum_f32x8_(state[k * nb + b]) + tail;
+                const float sum = hsum_f32x8_(state[k * nb + b]);
+                t[b * ldt + kg + k] = (blocks ? t[b * ldt + kg + k] + sum : sum) + tail;
             }
     }
 }

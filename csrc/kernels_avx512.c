@@ -12,9 +12,13 @@
  *
  * Summation order (one per output element, shared by decode, batch, stack
  * and bank, for every x and out dtype):
- *   project     t[k] = reduce16(lanes); reduce16 is GCC's _mm512_reduce_add_ps
- *               tree (halves 256, 128, 64, 32 bits).  Lane l is an fma-chain
- *               over columns j ascending,
+ *   project     t[k] = ((r_0 + r_1) + r_2) ..., one r_m per column block m
+ *               (the whole vectors in [m, m+1) x LORA_JBLOCK; the masked last
+ *               vector joins the last block; a row of up to 4096 columns is
+ *               one block, t[k] = r_0), r_m = reduce16(lanes); reduce16 is
+ *               GCC's _mm512_reduce_add_ps tree (halves 256, 128, 64, 32
+ *               bits).  Lane l is an fma-chain from 0 over the block's
+ *               columns j ascending,
  *                 float32/float16 A: j = l (mod 16), the last partial 16
  *                   columns loaded with a mask (masked-off lanes add 0*0);
  *                 bfloat16 A: the j with floor(j / 2) = l (mod 16), i.e.
@@ -186,23 +190,46 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t k, int64_t j0, in
     for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
 }
 
+/* ranks kg .. kg+kn over the whole-vector columns [j0, j1), in chunks of CHUNK_.  Called from
+ * one place only: a second inlined copy (a separate loop for one-block rows) made GCC keep the
+ * AVX2 file's tile chains in memory, 10 % more instructions on a 512-position prefill */
+INLINE_ void project_span_(const void *a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
+                           const int nr, const int nb, const void *const *xs, __m512 *state,
+                           const int dt, const int xt) {
+    for (int64_t c0 = j0; c0 < j1; c0 += CHUNK_) {
+        const int64_t c1 = c0 + CHUNK_ < j1 ? c0 + CHUNK_ : j1;
+        int k = 0;
+        for (; k + nr <= kn; k += nr)
+            project_tile_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, dt, xt);
+        for (; k < kn; k++) project_tile_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, dt, xt);
+    }
+}
+
 INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                          const int nb, const void *const *xs, float *t, int64_t ldt,
                          const int dt, const int xt) {
     /* nr * nb <= 16 accumulators (+ nb x vectors + 1 A vector <= 32 zmm) */
     const int nr = nb <= 2 ? 8 : 4;
-    __m512 state[KGROUP_ * LORA_NB];
+    __m512 state[KGROUP_ * LORA_NB]; /* the current column block's chains */
     /* whole vectors: 16 columns, or 32 for bfloat16 A (see project_tile_) */
     const int64_t body = cols & ~(int64_t)(dt == LORA_DTYPE_BF16 ? 31 : 15);
     for (int64_t kg = k0; kg < k1; kg += KGROUP_) {
         const int kn = (int)(k1 - kg < KGROUP_ ? k1 - kg : KGROUP_);
         for (int i = 0; i < kn * nb; i++) state[i] = _mm512_setzero_ps();
-        for (int64_t j0 = 0; j0 < body; j0 += CHUNK_) {
-            const int64_t j1 = j0 + CHUNK_ < body ? j0 + CHUNK_ : body;
-            int k = 0;
-            for (; k + nr <= kn; k += nr)
-                project_tile_(a, lda, kg + k, j0, j1, nr, nb, xs, state + k * nb, dt, xt);
-            for (; k < kn; k++) project_tile_(a, lda, kg + k, j0, j1, 1, nb, xs, state + k * nb, dt, xt);
+        int blocks = 0; /* column blocks (LORA_JBLOCK) finished: their sums are in t */
+        for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) { /* one call site: see below */
+            const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
+            project_span_(a, lda, kg, kn, jb, je, nr, nb, xs, state, dt, xt);
+            if (je < body) { /* a block ends and another follows: its sum joins t */
+                for (int k = 0; k < kn; k++)
+                    for (int b = 0; b < nb; b++) {
+                        float *tk = &t[b * ldt + kg + k];
+                        const float sum = _mm512_reduce_add_ps(state[k * nb + b]);
+                        *tk = blocks ? *tk + sum : sum;
+                        state[k * nb + b] = _mm512_setzero_ps();
+                    }
+                blocks++;
+            }
         }
         if (dt == LORA_DTYPE_BF16) {
             /* the last partial 32 columns, masked: lanes past cols add 0 * 0 */
@@ -225,7 +252,8 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
                         acc_f32x16 = _mm512_fmadd_ps(a_even_f32x16, x_even_f32x16[b], acc_f32x16);
                         acc_f32x16 = _mm512_fmadd_ps(a_odd_f32x16, x_odd_f32x16[b], acc_f32x16);
                     }
-                    t[b * ldt + kg + k] = _mm512_reduce_add_ps(acc_f32x16);
+                    const float sum = _mm512_reduce_add_ps(acc_f32x16);
+                    t[b * ldt + kg + k] = blocks ? t[b * ldt + kg + k] + sum : sum;
                 }
             }
             continue;
@@ -239,7 +267,8 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
                 if (body < cols)
                     acc_f32x16 = _mm512_fmadd_ps(a_f32x16, load_masked_f32x16_(xs[b], body, mask, xt),
                                                  acc_f32x16);
-                t[b * ldt + kg + k] = _mm512_reduce_add_ps(acc_f32x16);
+                const float sum = _mm512_reduce_add_ps(acc_f32x16);
+                t[b * ldt + kg + k] = blocks ? t[b * ldt + kg + k] + sum : sum;
             }
         }
     }

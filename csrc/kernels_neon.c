@@ -19,9 +19,12 @@
  * and bank, and by every dtype of x and out: x is widened exactly in
  * registers, a half-precision out is widened into a float32 strip before the
  * first term and rounded to nearest even once after the last):
- *   project     t[k] = hsum8(lanes) + tail, where lane l (0..7) = fma-chain
- *               from 0 over j = l (mod 8), ascending, for j < cols rounded
- *               down to 8 (two float32x4 registers: lanes 0-3 and 4-7);
+ *   project     t[k] = ((r_0 + r_1) + r_2) ... + tail, one r_m per column
+ *               block m ([m, m+1) x LORA_JBLOCK within cols rounded down to
+ *               8; a row of up to 4096 columns is one block), r_m =
+ *               hsum8(lanes), lane l (0..7) = fma-chain from 0 over the
+ *               block's j = l (mod 8), ascending (two float32x4 registers:
+ *               lanes 0-3 and 4-7);
  *               hsum8 = ((l0+l4)+(l1+l5)) + ((l2+l6)+(l3+l7)) (the two
  *               registers added, then two explicit pairwise adds, faddp);
  *               tail = fma-chain from 0 over the last cols mod 8 values,
@@ -34,7 +37,7 @@
  *               give the same bits.
  *   by_row      (a term held by output, a caller's lora_B [out, r]) out[i] =
  *               fma(hsum8(lanes) + tail, s, out[i]), lanes and tail as in
- *               project over k.
+ *               project over k, one block whatever the rank.
  * Tail strategy: a short scalar tail (cols mod 8 in project, the last
  * rows mod 4 outputs in accumulate), the fma chains of kernels_tails.h that
  * the AVX2 file shares: fmaf keeps each lane's fma-chain, so a value's bits
@@ -117,29 +120,39 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
                            const int nb, const void *const *xs, float *t, int64_t ldt,
                            const int dt, const int xt) {
-    float32x4_t acc_f32x4[PROJECT_RANKS_][2][2];
-    for (int r = 0; r < nr; r++)
-        for (int b = 0; b < nb; b++) acc_f32x4[r][b][0] = acc_f32x4[r][b][1] = vdupq_n_f32(0.0f);
+    float sum[PROJECT_RANKS_][2] = {{0}}; /* the finished column blocks' sums */
     const int64_t body = cols & ~(int64_t)7;
-    for (int64_t j = 0; j < body; j += 8) {
-        float32x4_t x_f32x4[2][2];
-        for (int b = 0; b < nb; b++) {
-            x_f32x4[b][0] = load_f32x4_(xs[b], j, xt);
-            x_f32x4[b][1] = load_f32x4_(xs[b], j + 4, xt);
-        }
-        for (int r = 0; r < nr; r++) {
-            const float32x4_t a0_f32x4 = load_f32x4_(a, (k + r) * lda + j, dt);
-            const float32x4_t a1_f32x4 = load_f32x4_(a, (k + r) * lda + j + 4, dt);
+    for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) {
+        const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
+        float32x4_t acc_f32x4[PROJECT_RANKS_][2][2];
+        for (int r = 0; r < nr; r++)
+            for (int b = 0; b < nb; b++)
+                acc_f32x4[r][b][0] = acc_f32x4[r][b][1] = vdupq_n_f32(0.0f);
+        for (int64_t j = jb; j < je; j += 8) {
+            float32x4_t x_f32x4[2][2];
             for (int b = 0; b < nb; b++) {
-                acc_f32x4[r][b][0] = vfmaq_f32(acc_f32x4[r][b][0], a0_f32x4, x_f32x4[b][0]);
-                acc_f32x4[r][b][1] = vfmaq_f32(acc_f32x4[r][b][1], a1_f32x4, x_f32x4[b][1]);
+                x_f32x4[b][0] = load_f32x4_(xs[b], j, xt);
+                x_f32x4[b][1] = load_f32x4_(xs[b], j + 4, xt);
+            }
+            for (int r = 0; r < nr; r++) {
+                const float32x4_t a0_f32x4 = load_f32x4_(a, (k + r) * lda + j, dt);
+                const float32x4_t a1_f32x4 = load_f32x4_(a, (k + r) * lda + j + 4, dt);
+                for (int b = 0; b < nb; b++) {
+                    acc_f32x4[r][b][0] = vfmaq_f32(acc_f32x4[r][b][0], a0_f32x4, x_f32x4[b][0]);
+                    acc_f32x4[r][b][1] = vfmaq_f32(acc_f32x4[r][b][1], a1_f32x4, x_f32x4[b][1]);
+                }
             }
         }
+        for (int r = 0; r < nr; r++)
+            for (int b = 0; b < nb; b++) {
+                const float block = hsum_f32x4x2_(acc_f32x4[r][b][0], acc_f32x4[r][b][1]);
+                sum[r][b] = jb == 0 ? block : sum[r][b] + block;
+            }
     }
     for (int r = 0; r < nr; r++) {
         for (int b = 0; b < nb; b++) {
             const float tail = fma_tail_(a, (k + r) * lda + body, dt, xs[b], body, xt, cols - body);
-            t[b * ldt + k + r] = hsum_f32x4x2_(acc_f32x4[r][b][0], acc_f32x4[r][b][1]) + tail;
+            t[b * ldt + k + r] = sum[r][b] + tail;
         }
     }
 }

@@ -12,10 +12,13 @@
  * and bank, and by every dtype of x and out: x is widened exactly first, a
  * half-precision out is widened into a float32 strip and rounded once after
  * the last term):
- *   project     t[k]  = ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)), where lane
- *               l = sum over j = l (mod 8), ascending j, of A[k,j]*x[j]
- *               (8 lanes so the compiler may keep them in two SSE/NEON
- *               registers; the tail j's fall into their own lanes).
+ *   project     t[k]  = ((r_0 + r_1) + r_2) ..., one r_m per column block m
+ *               ([m, m+1) x LORA_JBLOCK; a row of up to 4096 columns is one
+ *               block), r_m = ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)), where
+ *               lane l = sum from 0 over the block's j = l (mod 8), ascending
+ *               j, of A[k,j]*x[j] (8 lanes so the compiler may keep them in
+ *               two SSE/NEON registers; the tail j's fall into their own
+ *               lanes).
  *   accumulate  out[i] = out[i] + ((blk_0 + blk_1) + blk_2 ...), blk_m =
  *               (((0 + M[k,i]u[k]) + M[k+1,i]u[k+1]) + ...) over k in
  *               [16m, 16m+16) ascending (LORA_KBLOCK); then out[i] + s * total
@@ -36,16 +39,23 @@ static inline void project_(const void *a, int64_t lda, int64_t cols, int64_t k0
         for (int b = 0; b < nb; b++) {
             const void *x = xs[b];
             const int64_t row = k * lda;
-            float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int64_t j = 0;
-            if (dt == LORA_DTYPE_F32 && xt == LORA_DTYPE_F32) {
-                const float *ak = (const float *)a + row, *xf = (const float *)x;
-                for (; j + 8 <= cols; j += 8)
-                    for (int l = 0; l < 8; l++) lane[l] += ak[j + l] * xf[j + l];
+            float sum = 0.0f; /* the finished column blocks' sums */
+            for (int64_t jb = 0; jb < cols; jb += LORA_JBLOCK) {
+                const int64_t je = jb + LORA_JBLOCK < cols ? jb + LORA_JBLOCK : cols;
+                float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                int64_t j = jb;
+                if (dt == LORA_DTYPE_F32 && xt == LORA_DTYPE_F32) {
+                    const float *ak = (const float *)a + row, *xf = (const float *)x;
+                    for (; j + 8 <= je; j += 8)
+                        for (int l = 0; l < 8; l++) lane[l] += ak[j + l] * xf[j + l];
+                }
+                for (; j < je; j++)
+                    lane[j & 7] += lora_load_f32(a, row + j, dt) * lora_load_f32(x, j, xt);
+                const float block = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+                                    ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+                sum = jb == 0 ? block : sum + block;
             }
-            for (; j < cols; j++) lane[j & 7] += lora_load_f32(a, row + j, dt) * lora_load_f32(x, j, xt);
-            t[b * ldt + k] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
-                             ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+            t[b * ldt + k] = sum;
         }
     }
 }

@@ -75,6 +75,8 @@ int lora_cpu_id(char *vendor, int *family, int *model, int *stepping);
 int lora_isa_for_cpu(const char *vendor, int family, int model, int flags_best,
                      const char **name, const char **evidence);
 const char *lora_compiler(void);        /* the compiler that built the extension */
+/* LORA_JBLOCK (kernels.h): the projection sums a row in blocks of this many columns */
+int64_t lora_project_column_block(void);
 
 /* --- threads (team.c) ----------------------------------------------------- */
 int lora_openmp(void);                  /* 1 when built with OpenMP */

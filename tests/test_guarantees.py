@@ -76,6 +76,33 @@ def test_decode_thread_invariance(isa, dtype):
         assert_same_bits(r1, r2, f"decode [{rows} x {cols}], 1 vs 2 threads")
 
 
+@needs_two_threads
+def test_invariance_across_column_blocks(isa, dtype):
+    """Rows past LORA_JBLOCK (4096) columns, whose lanes sum in blocks: decode and every batch
+    row give the same bits, on 1 and 2 threads, with the row ending on, just past and inside a
+    block edge (a tail of 1-15 columns, a whole vector after the edge), for every x dtype."""
+    jblock = lib.lora_project_column_block()
+    rng = np.random.default_rng(9)
+    for cols in (jblock, jblock + 1, jblock + 15, jblock + 16, jblock + 33, 2 * jblock,
+                 2 * jblock + 40, 3 * jblock - 8):
+        d = make_delta(rng, 16, 40, cols, dtype, alpha=16.0)
+        for xt in ("float32", "bfloat16"):
+            x_all = rand(rng, (9, cols))
+            if xt == "bfloat16":
+                import ml_dtypes
+                x_all = x_all.astype(ml_dtypes.bfloat16)
+            out0 = rand(rng, (9, 40))
+            with num_threads(1):
+                singles = [apply("add_to", d, x_all[b], out0[b].copy()) for b in range(9)]
+            for threads in (1, 2):
+                with num_threads(threads):
+                    for n in (1, 2, 3, 4, 5, 9):
+                        got = apply("add_batch_to", d, x_all[:n], out0[:n].copy())
+                        for b in range(n):
+                            assert_same_bits(singles[b], got[b],
+                                             f"cols {cols} x {xt} batch {n} row {b}, {threads} threads")
+
+
 def _batch_invariance(d, rng, rows, cols, threads):
     """For every batch size: row b of add_batch_to == add_to(x[b]); return the batched results."""
     x_all = rand(rng, (max(BATCHES), cols))
