@@ -29,8 +29,8 @@
  * Tail strategy: a short scalar tail (AVX2 has no 16-bit masked loads), the
  * fma chains of kernels_tails.h, shared with the NEON file.
  * Accumulators: project keeps 8 ranks of one position (8 independent ymm
- * chains: FMA latency 4 x 2 ports = 8 in flight) over whole column blocks, or for a
- * batch up to 12 chains of nr ranks x nb positions over 512-column chunks
+ * chains: FMA latency 4 x 2 ports = 8 in flight) over whole column blocks,
+ * or for a batch up to 12 chains of nr ranks x nb positions over 512-column chunks
  * (project_batch_); accumulate keeps 4 row vectors x 1 or 2 positions = 4
  * or 8 block chains plus their running totals, except a decode (one
  * position), whose two row vectors (one line of M) walk every row of the rank

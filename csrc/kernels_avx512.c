@@ -217,7 +217,7 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
         const int kn = (int)(k1 - kg < KGROUP_ ? k1 - kg : KGROUP_);
         for (int i = 0; i < kn * nb; i++) state[i] = _mm512_setzero_ps();
         int blocks = 0; /* column blocks (LORA_JBLOCK) finished: their sums are in t */
-        for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) { /* one call site: see below */
+        for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) { /* one call site: see above */
             const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
             project_span_(a, lda, kg, kn, jb, je, nr, nb, xs, state, dt, xt);
             if (je < body) { /* a block ends and another follows: its sum joins t */
