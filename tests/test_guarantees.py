@@ -9,7 +9,7 @@ import pytest
 
 import lora
 from lora import _runtime
-from lora._lora_cffi import lib
+from lora._lora_cffi import ffi, lib
 from conftest import (ISAS, PYTHON, assert_accurate, assert_same_bits, can_run_two_threads,
                       make_delta, num_threads, rand, ref_batch, ref_rows, subprocess_env,
                       using_isa)
@@ -79,9 +79,11 @@ def test_decode_thread_invariance(isa, dtype):
 @needs_two_threads
 def test_invariance_across_column_blocks(isa, dtype):
     """Rows past LORA_JBLOCK (4096) columns, whose lanes sum in blocks: decode and every batch
-    row give the same bits, on 1 and 2 threads, with the row ending on, just past and inside a
-    block edge (a tail of 1-15 columns, a whole vector after the edge), for every x dtype."""
+    row give the same bits, on 1 thread and on a team of 2 forced for every call (the floor at
+    1, the back-off reset), with the row ending on, just past and inside a block edge (a tail
+    of 1-15 columns, a whole vector after the edge), for float32 and bfloat16 x."""
     jblock = lib.lora_project_column_block()
+    calls = ffi.new("int64_t *"), ffi.new("int64_t *")
     rng = np.random.default_rng(9)
     for cols in (jblock, jblock + 1, jblock + 15, jblock + 16, jblock + 33, 2 * jblock,
                  2 * jblock + 40, 3 * jblock - 8):
@@ -97,7 +99,17 @@ def test_invariance_across_column_blocks(isa, dtype):
             for threads in (1, 2):
                 with num_threads(threads):
                     for n in (1, 2, 3, 4, 5, 9):
-                        got = apply("add_batch_to", d, x_all[:n], out0[:n].copy())
+                        # two threads must really run: no back-off, a team for every call
+                        lib.lora_team_reset()
+                        lib.lora_team_set_min_work(1 if threads == 2 else 0)
+                        try:
+                            got = apply("add_batch_to", d, x_all[:n], out0[:n].copy())
+                            lib.lora_team_stats(*calls)
+                        finally:
+                            lib.lora_team_set_min_work(0)
+                            lib.lora_team_reset()
+                        if threads == 2:
+                            assert calls[0][0] >= 1, f"cols {cols} batch {n}: no team call"
                         for b in range(n):
                             assert_same_bits(singles[b], got[b],
                                              f"cols {cols} x {xt} batch {n} row {b}, {threads} threads")
