@@ -32,7 +32,7 @@ from cffi import FFI
 HERE = os.path.dirname(os.path.abspath(__file__))
 # every ISA file is compiled everywhere; each one is empty where its
 # LORA_HAVE_* macro (kernels.h) is not defined
-SOURCES = ["isa.c", "team.c", "delta.c", "drivers.c", "plan.c", "blocks.c", "experts.c", "dora.c",
+SOURCES = ["isa.c", "team.c", "delta.c", "apply.c", "plan.c", "blocks.c", "experts.c", "dora.c",
            "merge.c", "bench.c", "kernels_scalar.c", "kernels_avx2.c", "kernels_avx512.c", "kernels_neon.c"]
 
 

@@ -1,5 +1,5 @@
 /*
- * blocks.c - running a plan (drivers.h): its blocks of positions, each one
+ * blocks.c - running a plan (plan.h): its blocks of positions, each one
  * fused pass over its entry's members (t_q = A_q x for every member q, then
  * out += sum_q s_q B_q t_q into a strip of out that stays in L1; for the
  * gather, out += sum_q s_q B_q[id] A_q), on one thread or a team.  All of the
@@ -20,7 +20,7 @@
  */
 #include <stdlib.h>
 
-#include "drivers.h"
+#include "plan.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -49,7 +49,7 @@ typedef struct {
 
 /* one block of a group, ready to run */
 typedef struct {
-    int nb, n_terms, dora;
+    int nb, n_terms, epi;
     const void *xs[LORA_NB];
     void *outs[LORA_NB];
     lora_term *terms;
@@ -68,34 +68,42 @@ static void block_of_(const lora_plan *p, int64_t blk, int64_t *start, int *nb, 
     }
 }
 
-/* The accumulate of a block whose entry holds a DoRA member, in portable C
- * around the ISA's own kernels (so every path runs it, and plain members keep
- * their bits): each member in order adds its term through the ISA's float32
- * accumulate (the same order as inside a stack), and a DoRA member then
- * multiplies the running value by its row factor, one float32 product per
- * element.  A float32 out is updated where it is, member by member over the
- * whole range; a half out is widened into an L1 strip (the ISA's widen_),
- * updated there and rounded back once (the ISA's narrow_), a term's M then
- * shifted to the strip, whose outputs the kernel sees as 0 .. n - 1 (an order
- * that never depends on [i0, i1)). */
-static void dora_accumulate_(const lora_plan *p, const lora_term *terms, int n_terms,
-                             int64_t i0, int64_t i1, int nb, void *const *outs) {
+/* What a member's epilogue does to the running float32 values v[0 .. n) of
+ * one position, outputs i .. i + n of its data e (lora.h's LORA_EPI_*): the
+ * one place a kind of epilogue is written.  One float32 product per element
+ * for a row factor. */
+static void epilogue_(int kind, const float *e, int64_t i, int64_t n, float *v) {
+    switch (kind) {
+    case LORA_EPI_ROW_FACTOR:
+        for (int64_t k = 0; k < n; k++) v[k] = v[k] * e[i + k];
+        break;
+    default: /* LORA_EPI_PLAIN: nothing after the accumulate */
+        break;
+    }
+}
+
+/* The accumulate of a block whose entry holds a member with an epilogue, in
+ * portable C around the ISA's own kernels (so every path runs it, and plain
+ * members keep their bits): each member in order adds its term through the
+ * ISA's float32 accumulate (the same order as inside a stack), and then its
+ * epilogue acts on the running value.  A float32 out is updated where it is,
+ * member by member over the whole range; a half out is widened into an L1
+ * strip (the ISA's widen_), updated there and rounded back once (the ISA's
+ * narrow_), a term's M then shifted to the strip, whose outputs the kernel
+ * sees as 0 .. n - 1 (an order that never depends on [i0, i1)). */
+static void epilogue_accumulate_(const lora_plan *p, const lora_term *terms, int n_terms,
+                                 int64_t i0, int64_t i1, int nb, void *const *outs) {
     const lora_kernel_table *kt = p->kt;
     const int ot = p->out_dtype;
     const size_t osz = lora_dtype_size(ot);
-    const int f32 = ot == LORA_DTYPE_F32;
-    if (f32) {
+    if (ot == LORA_DTYPE_F32) {
         /* a float32 out is updated where it is, member by member over the whole range (each
          * element sees the same operations in the same order as in strips) */
         for (int q = 0; q < n_terms; q++) {
             const lora_term *tm = &terms[q];
             if (tm->active) kt->accumulate[LORA_DTYPE_F32](tm, 1, i0, i1, nb, outs);
-            for (int b = 0; b < nb; b++) {
-                if (!tm->g[b]) continue;
-                float *v = (float *)outs[b];
-                const float *g = tm->g[b];
-                for (int64_t k = i0; k < i1; k++) v[k] = v[k] * g[k];
-            }
+            for (int b = 0; b < nb; b++)
+                if (tm->epi[b]) epilogue_(tm->epilogue, tm->epi[b], i0, i1 - i0, (float *)outs[b] + i0);
         }
         return;
     }
@@ -115,21 +123,17 @@ static void dora_accumulate_(const lora_plan *p, const lora_term *terms, int n_t
                 at.m = (const char *)tm->m + (size_t)shift * lora_dtype_size(tm->dtype);
                 kt->accumulate[LORA_DTYPE_F32](&at, 1, 0, n, nb, (void *const *)so);
             }
-            for (int b = 0; b < nb; b++) {
-                if (!tm->g[b]) continue;
-                const float *g = tm->g[b] + i;
-                float *v = so[b];
-                for (int64_t k = 0; k < n; k++) v[k] = v[k] * g[k];
-            }
+            for (int b = 0; b < nb; b++)
+                if (tm->epi[b]) epilogue_(tm->epilogue, tm->epi[b], i, n, so[b]);
         }
         for (int b = 0; b < nb; b++) kt->narrow[ot](strip[b], n, (char *)outs[b] + i * osz);
     }
 }
 
-/* the accumulate of one block into outputs [i0, i1): the ISA's, or the DoRA one */
-static void accumulate_(const lora_plan *p, const lora_term *terms, int n_terms, int dora,
+/* the accumulate of one block into outputs [i0, i1): the ISA's, or with epilogues */
+static void accumulate_(const lora_plan *p, const lora_term *terms, int n_terms, int epi,
                         int64_t i0, int64_t i1, int nb, void *const *outs) {
-    if (dora) dora_accumulate_(p, terms, n_terms, i0, i1, nb, outs);
+    if (epi) epilogue_accumulate_(p, terms, n_terms, i0, i1, nb, outs);
     else p->kt->accumulate[p->out_dtype](terms, n_terms, i0, i1, nb, outs);
 }
 
@@ -155,26 +159,27 @@ static void prepare_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, 
     const lora_delta **which = sc->which + g * sc->m_per;
     float *t = sc->t + g * sc->t_per;
     /* the members that add anything to this block, with their scales (and the
-     * DoRA members at scale 0, which add nothing but still apply their row factor) */
-    int n_terms = 0, dora = 0;
+     * members whose epilogue acts at scale 0: they add nothing but their epilogue) */
+    int n_terms = 0, epi = 0;
     int64_t off = 0;
     for (int64_t q = p->first[entry]; q < p->first[entry + 1]; q++) {
         lora_term *tm = &terms[n_terms];
-        int any = 0, has_g = 0;
+        int any = 0, has_epi = 0;
+        tm->epilogue = lora_epilogue_of(p, q);
         for (int b = 0; b < LORA_NB; b++) {
             /* formed in double, rounded once (never the multiplier first) */
             tm->scale[b] = b < nb ? (float)(p->scales[q] * mul[b]) : 0.0f;
             any |= tm->scale[b] != 0.0f;
-            tm->g[b] = NULL;
-            if (b < nb && p->factors) {
+            tm->epi[b] = NULL;
+            if (b < nb && p->epi_data) {
                 const int64_t pos = p->order ? p->order[start + b] : start + b;
-                tm->g[b] = lora_factor_of(p, pos, q);
-                has_g |= tm->g[b] != NULL;
+                tm->epi[b] = lora_epi_data_of(p, pos, q);
+                has_epi |= tm->epi[b] != NULL;
             }
         }
-        dora |= has_g;
+        epi |= has_epi;
         tm->active = any;
-        if (!any && !has_g) continue; /* a zero scale skips the delta before any arithmetic */
+        if (!any && !has_epi) continue; /* a zero scale skips the delta before any arithmetic */
         if (!any) {
             n_terms++;
             continue;
@@ -193,7 +198,7 @@ static void prepare_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, 
     }
     bk->nb = nb;
     bk->n_terms = n_terms;
-    bk->dora = dora;
+    bk->epi = epi;
     bk->terms = terms;
     bk->which = which;
     if (!gather) return;
@@ -233,7 +238,7 @@ static void run_group_(const lora_plan *p, int64_t blk0, int ng, const scratch_ 
     int64_t lo, hi;
     if (gather) {
         lora_split(p->cols, tid, nt, 16, &lo, &hi);
-        if (lo < hi) accumulate_(p, bk[0].terms, bk[0].n_terms, bk[0].dora, lo, hi, bk[0].nb, bk[0].outs);
+        if (lo < hi) accumulate_(p, bk[0].terms, bk[0].n_terms, bk[0].epi, lo, hi, bk[0].nb, bk[0].outs);
         return;
     }
     for (int q = 0; q < most; q++)
@@ -257,7 +262,7 @@ static void run_group_(const lora_plan *p, int64_t blk0, int ng, const scratch_ 
     for (int64_t i = lo; i < hi; i += strip)
         for (int g = 0; g < ng; g++)
             if (bk[g].n_terms)
-                accumulate_(p, bk[g].terms, bk[g].n_terms, bk[g].dora, i,
+                accumulate_(p, bk[g].terms, bk[g].n_terms, bk[g].epi, i,
                             i + strip < hi ? i + strip : hi, bk[g].nb, bk[g].outs);
 #ifdef _OPENMP
     /* t is reused by the next group: wait until every thread is done with it */
@@ -391,4 +396,13 @@ int lora_run_plan(const lora_plan *p, int gather) {
 #endif
     free(heap);
     return LORA_OK;
+}
+
+int lora_run_projections(lora_plan *p, const void *x, int x_dtype, int64_t ldx, int64_t x_every) {
+    p->x = (const char *)x, p->x_dtype = x_dtype, p->ldx = ldx, p->x_every = x_every;
+    lora_widened wide;
+    int st = lora_plan_widen(p, &wide);
+    if (st == LORA_OK) st = lora_run_plan(p, 0);
+    lora_widened_free(&wide);
+    return st;
 }

@@ -136,3 +136,9 @@ void lora_delta_export(const lora_delta *d, void *a, void *b) {
                    (const char *)d->bt + (size_t)(k * d->ldb + i) * isz, isz);
 }
 
+
+void lora_delta_dims(const lora_delta *d, int64_t *rank, int64_t *rows, int64_t *cols) {
+    if (rank) *rank = d->rank;
+    if (rows) *rows = d->rows;
+    if (cols) *cols = d->cols;
+}

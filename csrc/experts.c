@@ -1,15 +1,15 @@
 /*
- * experts.c - mixtures of experts (lora.h, lora_apply_experts): the (token,
+ * experts.c - mixtures of experts (lora.h, LORA_OP_EXPERTS): the (token,
  * slot) pairs a router chose, each through its own expert's delta, in one
  * call.  Pair p routes to expert expert_ids[p] of adapter
- * adapter_ids[p / ids_every]; that expert is one kernel entry of the call's
+ * entry_ids[p / ids_every]; that expert is one kernel entry of the call's
  * entry table (entry starts[adapter] + expert), so the rest is a bank call:
  * the plan (plan.c) groups the pairs by kernel entry with the bank's stable
  * counting sort and cuts them into blocks of up to LORA_NB pairs of one
  * expert, and blocks.c runs them (threads take whole blocks: a decode's k
  * experts are k blocks).  Each expert's A and B therefore stream once per
  * block, and every pair's row is computed by the same project / accumulate
- * kernels as the expert's delta alone, so its bits equal lora_add on that
+ * kernels as the expert's delta alone, so its bits equal a decode of that expert on that
  * row whatever the routing, the batch or the thread count.
  *
  * The one thing a bank call does not have is the x row divisor: with
@@ -23,44 +23,36 @@
  */
 #include <stdlib.h>
 
-#include "drivers.h"
+#include "plan.h"
 
 /* calls of up to this many pairs resolve their routing on the stack (no
  * allocation on the decode path) */
 #define LORA_STACK_PAIRS 256
 
-int lora_apply_experts(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
-                       const double *scales, int64_t n_adapters, const int64_t *starts,
-                       int64_t n_experts, const int64_t *adapter_ids, const double *pos_scales,
-                       int64_t ids_every, const int64_t *expert_ids, int64_t x_every,
-                       int64_t rows, int64_t cols, int64_t n, const void *x, int x_dtype,
-                       int64_t ldx, void *out, int out_dtype, int64_t ldo, int64_t *bad) {
-    if (bad) *bad = -1;
-    if (n < 0 || n_entries < 1 || n_adapters < 1 || n_experts < 1 || ids_every < 1 ||
-        x_every < 1 || !first || !deltas || !scales || !starts || (n > 0 && !expert_ids))
+int lora_apply_experts_(const lora_call *c) {
+    const int64_t n = c->n, n_adapters = c->n_adapters, n_experts = c->n_experts;
+    const int64_t ids_every = c->ids_every > 1 ? c->ids_every : 1;
+    const int64_t *starts = c->starts, *adapter_ids = c->entry_ids, *expert_ids = c->expert_ids;
+    const double *pos_scales = c->pos_scales;
+    if (c->n_entries < 1 || n_adapters < 1 || n_experts < 1 || !c->first || !c->deltas ||
+        !c->scales || !starts || (n > 0 && !expert_ids) || c->epi_stride != 0)
         return LORA_ERR_ARG;
-    if (starts[0] < 0 || starts[n_adapters] > n_entries) return LORA_ERR_ARG;
+    if (starts[0] < 0 || starts[n_adapters] > c->n_entries) return LORA_ERR_ARG;
     for (int64_t a = 0; a < n_adapters; a++)
         if (starts[a + 1] < starts[a]) return LORA_ERR_ARG;
-    const int64_t n_x = n > 0 ? (n - 1) / x_every + 1 : 0;
-    int st = lora_check_apply(n_entries, first, deltas, x, x_dtype, ldx, n_x, cols, out,
-                              out_dtype, ldo, n, rows);
-    if (st != LORA_OK) return st;
-    if ((uintptr_t)expert_ids % sizeof(int64_t) || (uintptr_t)adapter_ids % sizeof(int64_t) ||
-        (uintptr_t)pos_scales % sizeof(double))
-        return LORA_ERR_ALIGN;
+    if ((uintptr_t)expert_ids % sizeof(int64_t)) return LORA_ERR_ALIGN;
 
     /* every id, before anything else reads them */
     const int64_t n_ids = n > 0 ? (n - 1) / ids_every + 1 : 0;
     for (int64_t i = 0; adapter_ids && i < n_ids; i++) {
         if (adapter_ids[i] < -1 || adapter_ids[i] >= n_adapters) {
-            if (bad) *bad = i;
+            if (c->bad) *c->bad = i;
             return LORA_ERR_ADAPTER;
         }
     }
     for (int64_t q = 0; q < n; q++) {
         if (expert_ids[q] < -1 || expert_ids[q] >= n_experts) {
-            if (bad) *bad = q;
+            if (c->bad) *c->bad = q;
             return LORA_ERR_INDEX;
         }
     }
@@ -87,10 +79,10 @@ int lora_apply_experts(int64_t n_entries, const int64_t *first, const lora_delta
 
     lora_plan p;
     int64_t stack_buf[LORA_STACK_PLAN], *heap_buf = NULL;
-    st = lora_plan_call(&p, n_entries, first, deltas, scales, entry, mul, 1, rows, cols, n, out,
-                        out_dtype, ldo, NULL, 0, bad, stack_buf, &heap_buf);
-    if (st == LORA_ERR_SCALE && bad && *bad >= 0) *bad /= ids_every; /* the caller's index */
-    if (st == LORA_OK) st = lora_run_projections(&p, x, x_dtype, ldx, x_every);
+    int st = lora_plan_call(&p, c, entry, mul, 1, stack_buf, &heap_buf);
+    if (st == LORA_ERR_SCALE && c->bad && *c->bad >= 0) *c->bad /= ids_every; /* the caller's index */
+    if (st == LORA_OK)
+        st = lora_run_projections(&p, c->x, c->x_dtype, c->ldx, c->x_every > 1 ? c->x_every : 1);
     free(heap_buf);
     free(heap);
     return st;

@@ -206,11 +206,13 @@ typedef struct {
     const float *u;        /* u[b*ldu + k] */
     int64_t ldu;
     float scale[LORA_NB];  /* per position; 0: the term adds nothing there */
-    /* the drivers' own fields (the kernels never read them): whether the term adds
-     * anything to its block (a DoRA member at scale 0 adds nothing but its row factor),
-     * and the member's row factor per position (NULL: a plain member, see blocks.c) */
+    /* the runner's own fields (the kernels never read them): whether the term adds
+     * anything to its block (a row-factor member at scale 0 adds nothing but its
+     * factor), its epilogue kind (lora.h's LORA_EPI_*) and that epilogue's data per
+     * position (NULL: nothing to do there; see blocks.c) */
     int active;
-    const float *g[LORA_NB];
+    int epilogue;
+    const float *epi[LORA_NB];
 } lora_term;
 
 /* t[b*ldt + k] for k in [k0, k1), b < nb: x_b = xs[b] in dtype xt (see the top) */

@@ -119,76 +119,116 @@ lora_delta *lora_delta_view(int dtype, int64_t rank, int64_t rows, int64_t cols,
 void lora_delta_free(lora_delta *d);
 /* copies the stored values back out, in the layout lora_delta_new took */
 void lora_delta_export(const lora_delta *d, void *a, void *b);
+/* a delta's rank, rows and cols (each pointer may be NULL) */
+void lora_delta_dims(const lora_delta *d, int64_t *rank, int64_t *rows, int64_t *cols);
 
-/* Activations (x, out) may be float32, float16 or bfloat16 (the LORA_DTYPE_*
- * codes), independently of the delta's storage dtype and of each other.
- * Compute is float32: x is widened exactly; a half-precision out element is
- * widened, updated by every delta of its entry in order, and rounded once to
- * nearest even.  ldx / ldo are leading dimensions in elements of x / out. */
+/* --- applying deltas: one call ------------------------------------------------
+ *
+ * Every apply is one lora_call through lora_apply: an entry table, positions,
+ * and the activations.  Entry e is the members deltas[first[e] .. first[e+1])
+ * applied in order in one pass (x read once per block of positions, each out
+ * element rounded once); scales[q] is member q's effective scale.  A LoraDelta
+ * is a table of one entry of one member, a stack one entry of its members, a
+ * bank one entry per slot.
+ *
+ * Positions: position b uses entry entry_ids[b / ids_every] (-1 = none;
+ * entry_ids NULL = every position uses entry 0).  pos_scales (NULL = none)
+ * multiplies the scales of position b by pos_scales[b / ids_every]: member q
+ * there uses (float)(scales[q] * pos_scales[b / ids_every]), formed in double.
+ * A member whose float32 scale is 0 adds nothing to that position; a position
+ * whose multiplier is 0 is not touched (unless a member's epilogue acts at
+ * scale 0, below).  Every member is rows x cols.  A member's scale not finite
+ * in float32, a multiplier that is not finite, or a product not finite in
+ * float32 is LORA_ERR_SCALE before anything is written, with *bad the index
+ * into pos_scales (or -1 when the member's own scale is at fault).
+ *
+ * The ops:
+ *   LORA_OP_PROJECT  out[b*ldo + i] += s * (B (A x[(b / x_every)*ldx + :]))[i],
+ *                    b < n (a decode is n = 1, a prefill n positions);
+ *   LORA_OP_ROWS     out[i*ldo + j] += s * (B[ids[i], :] A)[j], i < n (token
+ *                    embedding rows); an id outside [0, rows) is
+ *                    LORA_ERR_INDEX, *bad = its position;
+ *   LORA_OP_EXPERTS  n routed (token, slot) pairs: pair q goes through expert
+ *                    expert_ids[q] (-1 = none) of adapter entry_ids[q /
+ *                    ids_every] (-1 = none; NULL = adapter 0), adapter a's
+ *                    experts being the entries starts[a] .. starts[a + 1)
+ *                    (starts: n_adapters + 1 values; an adapter with fewer than
+ *                    n_experts entries, an empty slot, adds nothing); pair q
+ *                    reads x row q / x_every (x_every = k: a token's k slots
+ *                    share its row) and adds into out row q.  An adapter id
+ *                    outside [-1, n_adapters) is LORA_ERR_ADAPTER (*bad = its
+ *                    index in entry_ids), an expert id outside [-1, n_experts)
+ *                    LORA_ERR_INDEX (*bad = its pair).
+ * For PROJECT and ROWS an entry id outside [-1, n_entries) is LORA_ERR_ADAPTER
+ * with *bad its index in entry_ids.
+ *
+ * Activations (x, out) may be float32, float16 or bfloat16 (the LORA_DTYPE_*
+ * codes), independently of the deltas' storage and of each other.  Compute is
+ * float32: x is widened exactly; a half-precision out element is widened,
+ * updated by every member of its entry in order, and rounded once to nearest
+ * even.  ldx / ldo are leading dimensions in elements of x / out.
+ *
+ * Epilogues: what a member does after its accumulate, a kind per member
+ * (epilogues[q]; NULL = every member plain):
+ *   LORA_EPI_PLAIN       out <- out + s B (A x)
+ *   LORA_EPI_ROW_FACTOR  out <- g * (out + s B (A x)), g a float32 factor per
+ *                        output element (DoRA's m / |W + s B A|): the running
+ *                        bias-free sum of the members before it is scaled too.
+ *                        It acts at scale 0 (g still applies), so a position
+ *                        of an entry with such a member is never skipped for a
+ *                        zero multiplier.
+ * An epilogue's data for member q at the positions of id i (i = b /
+ * ids_every) is epi_data[i * epi_stride + q] (epi_stride 0: epi_data[q] at
+ * every position): rows floats for PROJECT and EXPERTS, cols for ROWS, NULL
+ * for a plain member.  The data must not share bytes with out.
+ *
+ * Checked before the first write: dtype codes, leading dimensions,
+ * alignment, the byte ranges of x and out (LORA_ERR_OVERLAP), every id and
+ * scale.  Ids, scales and token ids that share bytes with out are copied
+ * first.  Threads split outputs, never one sum, so the bits of every output
+ * element depend only on the ISA path and the deltas' storage formats. */
+#define LORA_OP_PROJECT 0
+#define LORA_OP_ROWS 1
+#define LORA_OP_EXPERTS 2
 
-/* decode: out[rows] += scale * B (A x[cols]) */
-int lora_add(const lora_delta *d, float scale, const void *x, int x_dtype, void *out,
-             int out_dtype);
+#define LORA_EPI_PLAIN 0
+#define LORA_EPI_ROW_FACTOR 1
+#define LORA_EPI_COUNT 2
 
-/* prefill: out[b*ldo + i] += scale * (B A x[b*ldx + :])[i], b < batch */
-int lora_add_batch(const lora_delta *d, float scale, int64_t batch, const void *x, int x_dtype,
-                   int64_t ldx, void *out, int out_dtype, int64_t ldo);
+typedef struct {
+    int op;                           /* LORA_OP_* */
+    /* the entry table */
+    int64_t n_entries;
+    const int64_t *first;             /* [n_entries + 1] */
+    const lora_delta *const *deltas;  /* [first[n_entries]] members */
+    const double *scales;             /* [members] effective scales */
+    const uint8_t *epilogues;         /* [members] LORA_EPI_*, or NULL: all plain */
+    const float *const *epi_data;     /* see above; NULL: no member has data */
+    int64_t epi_stride;
+    int64_t rows, cols;               /* every member's shape */
+    /* positions */
+    int64_t n;
+    const int64_t *entry_ids;         /* NULL: entry (adapter) 0 everywhere */
+    const double *pos_scales;         /* NULL: none */
+    int64_t ids_every;                /* 0 or 1: an id per position */
+    const int64_t *ids;               /* LORA_OP_ROWS: token ids [n] */
+    int64_t n_adapters;               /* LORA_OP_EXPERTS: the routing */
+    const int64_t *starts;
+    int64_t n_experts;
+    const int64_t *expert_ids;
+    /* activations */
+    const void *x;                    /* PROJECT, EXPERTS */
+    int x_dtype;
+    int64_t ldx;
+    int64_t x_every;                  /* 0 or 1: an x row per position */
+    void *out;
+    int out_dtype;
+    int64_t ldo;
+    int64_t *bad;                     /* NULL, or where a refusal names its index (-1: none) */
+} lora_call;
 
-/* the same two, for callers that hold addresses as integers (a torch tensor's
- * data_ptr()): no pointer object to build per call */
-int lora_add_at(const lora_delta *d, float scale, intptr_t x, int x_dtype, intptr_t out,
-                int out_dtype);
-int lora_add_batch_at(const lora_delta *d, float scale, int64_t batch, intptr_t x, int x_dtype,
-                      int64_t ldx, intptr_t out, int out_dtype, int64_t ldo);
-
-/* gather: out[i*ldo + j] += scale * (B[ids[i], :] A)[j], i < n */
-int lora_add_rows(const lora_delta *d, float scale, int64_t n, const int64_t *ids, void *out,
-                  int out_dtype, int64_t ldo, int64_t *bad);
-
-/* Stacks and banks.  Entry e is deltas[first[e] .. first[e+1]), applied in
- * order in one pass (x read once per block of positions, each out element
- * rounded once); scales[q] is delta q's effective scale.  Position b uses
- * entry entry_ids[b / ids_every] (-1 = none; entry_ids NULL = every position
- * uses entry 0).  pos_scales (NULL = none) multiplies the scales of position
- * b by pos_scales[b / ids_every]: delta q there uses
- * (float)(scales[q] * pos_scales[b / ids_every]), formed in double.  A delta
- * whose float32 scale is 0 adds nothing to that position; a position whose
- * multiplier is 0 is not touched.  Every delta is rows x cols.  A delta's
- * scale not finite in float32, a multiplier that is not finite, or a product
- * not finite in float32 is LORA_ERR_SCALE before anything is written, with
- * *bad the position (or -1 when the delta's own scale is at fault). */
-int lora_apply_batch(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
-                     const double *scales, const int64_t *entry_ids, const double *pos_scales,
-                     int64_t ids_every, int64_t rows, int64_t cols, int64_t batch,
-                     const void *x, int x_dtype, int64_t ldx, void *out, int out_dtype,
-                     int64_t ldo, int64_t *bad);
-int lora_apply_rows(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
-                    const double *scales, const int64_t *entry_ids, const double *pos_scales,
-                    int64_t ids_every, int64_t rows, int64_t cols, int64_t n, const int64_t *ids,
-                    void *out, int out_dtype, int64_t ldo, int64_t *bad);
-
-/* DoRA (weight-decomposed LoRA): the same two calls with a row factor per member.
- * factors[i * fac_stride + q] (fac_stride 0: factors[q] for every position) is
- * NULL for a plain member q, else the float32 row factor g of DoRA member q at
- * the positions of id i (i = b / ids_every): rows values (lora_apply_rows:
- * cols), for the scale that position uses.  A DoRA member scales the running
- * bias-free sum: out <- g * (out + s * B (A x)), in float32, members in
- * order, a half out rounded once after the last; at scale 0 (its own or a
- * position's multiplier) it still applies g, so a position of an entry with a
- * DoRA member is never skipped for a zero multiplier.  factors NULL: the
- * plain calls above, bit for bit.  The factors must not share bytes with out. */
-int lora_apply_batch_dora(int64_t n_entries, const int64_t *first,
-                          const lora_delta *const *deltas, const double *scales,
-                          const int64_t *entry_ids, const double *pos_scales, int64_t ids_every,
-                          int64_t rows, int64_t cols, int64_t batch, const void *x, int x_dtype,
-                          int64_t ldx, void *out, int out_dtype, int64_t ldo,
-                          const float *const *factors, int64_t fac_stride, int64_t *bad);
-int lora_apply_rows_dora(int64_t n_entries, const int64_t *first,
-                         const lora_delta *const *deltas, const double *scales,
-                         const int64_t *entry_ids, const double *pos_scales, int64_t ids_every,
-                         int64_t rows, int64_t cols, int64_t n, const int64_t *ids, void *out,
-                         int out_dtype, int64_t ldo, const float *const *factors,
-                         int64_t fac_stride, int64_t *bad);
+/* LORA_OK, or the LORA_ERR_* status of the first thing refused (nothing written then) */
+int lora_apply(const lora_call *call);
 
 /* DoRA statistics of a base V [n, k] (element (i, j) at w[i*ld_i + j*ld_k],
  * w_dtype; any layout) against P [r, k]: sq[i] = |V_i|^2, vp[i*r + t] =
@@ -208,29 +248,6 @@ int lora_dora_stats(const lora_delta *d, int by_col, const void *w, int w_dtype,
 int lora_dora_factor(const lora_delta *d, int by_col, const double *sq, const double *vp,
                      const double *gram, const float *magnitude, double s, float *g, float *norm,
                      int64_t *bad);
-
-/* Mixtures of experts: n routed (token, slot) pairs, pair q through the
- * expert expert_ids[q] (-1 = none) of adapter adapter_ids[q / ids_every]
- * (-1 = none; adapter_ids NULL = adapter 0 everywhere).  The entry table is
- * lora_apply_batch's (first, deltas, scales); adapter a's experts are its
- * kernel entries starts[a] .. starts[a + 1) (starts: n_adapters + 1 values),
- * expert e being entry starts[a] + e, and an adapter with fewer than
- * n_experts entries (an empty slot) adds nothing.  Pair q reads x row
- * q / x_every (x_every = k: a token's k slots share its row; 1: a row per
- * pair) and adds into out row q: out[q*ldo + i] += s * (B_e A_e x[(q /
- * x_every)*ldx + :])[i], each row bit-identical to lora_add of that expert
- * alone.  pos_scales (NULL = none) is indexed like adapter_ids and means
- * what it means for lora_apply_batch.  Before anything is written: an
- * adapter id outside [-1, n_adapters) is LORA_ERR_ADAPTER (*bad = its index
- * in adapter_ids), an expert id outside [-1, n_experts) LORA_ERR_INDEX
- * (*bad = its pair), a scale as lora_apply_batch (*bad = its index in
- * pos_scales). */
-int lora_apply_experts(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
-                       const double *scales, int64_t n_adapters, const int64_t *starts,
-                       int64_t n_experts, const int64_t *adapter_ids, const double *pos_scales,
-                       int64_t ids_every, const int64_t *expert_ids, int64_t x_every,
-                       int64_t rows, int64_t cols, int64_t n, const void *x, int x_dtype,
-                       int64_t ldx, void *out, int out_dtype, int64_t ldo, int64_t *bad);
 
 /* Merges (merge_into / unmerge_from): w[i*ldw + j] becomes w + sum_t scales[t]
  * * (B_t @ A_t)[i, j], formed in double: each product over the rank in order

@@ -1,5 +1,5 @@
 /*
- * plan.c - the plan of one call (drivers.h): the checks that can refuse it,
+ * plan.c - the plan of one call (plan.h): the checks that can refuse it,
  * all made before the first write; the bank's grouping of positions by entry
  * (a stable counting sort, so each adapter's weights stream once per block);
  * the float32 copies of half-precision deltas that serve many positions of
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "drivers.h"
+#include "plan.h"
 
 /* A half-precision delta serving at least this many positions of one prefill
  * call is widened to float32 once for the call (a vectorised copy of ~1 us per
@@ -30,14 +30,14 @@
 static int finite_f32_(double v) { return fabs(v) < LORA_F32_LIMIT; } /* false for nan */
 
 /* the entry position b runs, or -1: no adapter, an empty entry, or a zero
- * multiplier on an entry without a DoRA member (which applies its row factor
- * at scale 0 too) */
+ * multiplier on an entry none of whose members has an epilogue that acts at
+ * scale 0 (a row factor still applies there) */
 static int64_t entry_of_(const lora_plan *p, const int64_t *entry_ids, int64_t b) {
     const int64_t i = b / p->every, e = entry_ids ? entry_ids[i] : 0;
     if (e < 0 || p->first[e + 1] == p->first[e]) return -1;
     if (p->pos_scales && p->pos_scales[i] == 0.0) {
         for (int64_t q = p->first[e]; q < p->first[e + 1]; q++)
-            if (lora_factor_of(p, b, q)) return e;
+            if (lora_epi_data_of(p, b, q)) return e;
         return -1;
     }
     return e;
@@ -134,27 +134,30 @@ void lora_widened_free(lora_widened *w) {
     w->wide = NULL, w->use = NULL, w->n = 0;
 }
 
-int lora_plan_call(lora_plan *p, int64_t n_entries, const int64_t *first,
-                   const lora_delta *const *deltas, const double *scales,
-                   const int64_t *entry_ids, const double *pos_scales, int64_t every,
-                   int64_t rows, int64_t cols, int64_t n, void *out, int out_dtype, int64_t ldo,
-                   const float *const *factors, int64_t fac_stride, int64_t *bad,
-                   int64_t *stack_buf, int64_t **heap_buf) {
+int lora_plan_call(lora_plan *p, const lora_call *c, const int64_t *entry_ids,
+                   const double *pos_scales, int64_t every, int64_t *stack_buf,
+                   int64_t **heap_buf) {
     *heap_buf = NULL;
-    if (bad) *bad = -1;
-    if (n_entries < 1 || rows < 1 || cols < 1 || n < 0 || every < 1) return LORA_ERR_ARG;
+    const int64_t n_entries = c->n_entries, rows = c->rows, cols = c->cols, n = c->n;
+    const int64_t *first = c->first;
+    const lora_delta *const *deltas = c->deltas;
+    const double *scales = c->scales;
+    if (n_entries < 1 || rows < 1 || cols < 1 || n < 0 || every < 1 || !first || !deltas ||
+        !scales)
+        return LORA_ERR_ARG;
     memset(p, 0, sizeof *p);
     p->kt = lora_active_kernels();
     p->n_entries = n_entries, p->first = first, p->deltas = deltas, p->scales = scales;
     p->rows = rows, p->cols = cols;
     p->pos_scales = pos_scales, p->every = every;
-    p->out = (char *)out, p->out_dtype = out_dtype, p->ldo = ldo;
+    p->out = (char *)c->out, p->out_dtype = c->out_dtype, p->ldo = c->ldo;
     p->x_every = 1;
-    p->factors = factors, p->fac_stride = fac_stride;
-    if (factors && fac_stride < 0) return LORA_ERR_ARG;
+    p->epilogues = c->epilogues, p->epi_data = c->epi_data, p->epi_stride = c->epi_stride;
+    if (c->epi_data && c->epi_stride < 0) return LORA_ERR_ARG;
     for (int64_t q = 0; q < first[n_entries]; q++) {
         const lora_delta *d = deltas[q];
         if (!d || d->rows != rows || d->cols != cols) return LORA_ERR_ARG;
+        if (c->epilogues && c->epilogues[q] >= LORA_EPI_COUNT) return LORA_ERR_ARG;
         if (!finite_f32_(scales[q])) return LORA_ERR_SCALE;
     }
     for (int64_t e = 0; e < n_entries; e++) {
@@ -167,31 +170,33 @@ int lora_plan_call(lora_plan *p, int64_t n_entries, const int64_t *first,
     if (entry_ids) {
         for (int64_t i = 0; i < n_ids; i++) {
             if (entry_ids[i] < -1 || entry_ids[i] >= n_entries) {
-                if (bad) *bad = i;
+                if (c->bad) *c->bad = i;
                 return LORA_ERR_ADAPTER;
             }
         }
     }
     if (pos_scales) {
         /* a multiplier must be finite, and every scale a position will use (its
-         * product with each delta's scale) finite in float32 */
+         * product with each member's scale) finite in float32 */
         for (int64_t i = 0; i < n_ids; i++) {
             const int64_t e = entry_ids ? entry_ids[i] : 0;
             int ok = isfinite(pos_scales[i]);
             for (int64_t q = e >= 0 ? first[e] : 0; ok && e >= 0 && q < first[e + 1]; q++)
                 ok = finite_f32_(scales[q] * pos_scales[i]);
             if (!ok) {
-                if (bad) *bad = i;
+                if (c->bad) *c->bad = i;
                 return LORA_ERR_SCALE;
             }
         }
     }
     if (n == 0 || first[n_entries] == 0) return LORA_OK;
-    int any = 0; /* all scales 0 and no row factor: nothing to do, not even waking a team */
+    int any = 0; /* all scales 0 and no epilogue data: nothing to do, not even waking a team */
     for (int64_t q = 0; q < first[n_entries]; q++) any |= (float)scales[q] != 0.0f;
-    if (factors) {
-        const int64_t n_fac = (fac_stride ? n_ids : 1) * (fac_stride ? fac_stride : first[n_entries]);
-        for (int64_t k = 0; !any && k < n_fac; k++) any |= factors[k] != NULL;
+    if (p->epi_data) {
+        const int64_t stride = p->epi_stride ? p->epi_stride : first[n_entries];
+        const int64_t n_data = (p->epi_stride ? n_ids : 1) * stride;
+        for (int64_t k = 0; !any && k < n_data; k++)
+            any |= p->epi_data[k] != NULL && lora_epilogue_of(p, k % stride) != LORA_EPI_PLAIN;
     }
     if (!any) return LORA_OK;
     if (entry_ids || pos_scales) {

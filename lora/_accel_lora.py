@@ -32,7 +32,8 @@ from .stack import LoraStack
 __all__ = ["Kind", "Layer", "Plan"]
 
 _CALLED = ("lora_dropout", "lora_A", "lora_B")  # the ModuleDicts a Linear's forward calls into
-_add_batch_at = lib.lora_add_batch_at
+from . import _calls
+_add_batch_at = _calls.lora_add_batch_at
 _plan_run = _edge.plan_run
 _cast, _VOIDP, NULL = ffi.cast, ffi.typeof("void *"), ffi.NULL
 _CODE_PAIRS = {}  # (A dtype code, B dtype code) tuples, shared by every plan

@@ -61,8 +61,7 @@ def address(cdata):
 # objects as `fast_code` (and the ids' and scales' of the table's fast path) and calls the
 # library's own lora_add / lora_add_batch / lora_apply_batch
 _edge.setup(ndarray, dtypes.fast_pairs(), np.dtype(np.int64), np.dtype(np.float64),
-            tuple(address(ffi.addressof(lib, f))
-                  for f in ("lora_add", "lora_add_batch", "lora_apply_batch")))
+            address(ffi.addressof(lib, "lora_apply")))
 
 _cast = ffi.cast
 _VOIDP = ffi.typeof("void *")

@@ -42,10 +42,11 @@ __all__ = ["Member", "entry_type", "entry_types", "stackable_types", "owners", "
 
 _F64 = np.dtype(np.float64)
 _I64 = arrays.I64
-_lora_apply_batch = lib.lora_apply_batch
-_lora_apply_rows = lib.lora_apply_rows
-_lora_apply_batch_dora = lib.lora_apply_batch_dora
-_lora_apply_rows_dora = lib.lora_apply_rows_dora
+from . import _calls
+_lora_apply_batch = _calls.lora_apply_batch
+_lora_apply_rows = _calls.lora_apply_rows
+_lora_apply_batch_dora = _calls.lora_apply_batch_dora
+_lora_apply_rows_dora = _calls.lora_apply_rows_dora
 _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
 _EPOCH = _scale_mod.epoch
 _edge_apply = _edge.apply_batch

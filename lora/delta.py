@@ -25,13 +25,14 @@ from .scale import LoraScale
 
 __all__ = ["LoraDelta"]
 
-_lora_add = lib.lora_add
+from . import _calls
+_lora_add = _calls.lora_add
 _edge_add = _edge.add_to
 _edge_add_batch = _edge.add_batch_to
-_lora_add_batch = lib.lora_add_batch
-_lora_add_rows = lib.lora_add_rows
-_lora_add_at = lib.lora_add_at
-_lora_add_batch_at = lib.lora_add_batch_at
+_lora_add_batch = _calls.lora_add_batch
+_lora_add_rows = _calls.lora_add_rows
+_lora_add_at = _calls.lora_add_at
+_lora_add_batch_at = _calls.lora_add_batch_at
 
 
 def alpha_factor(alpha, rank, rslora):

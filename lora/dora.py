@@ -36,7 +36,8 @@ _FLOATS = ffi.typeof("float[]")
 _DOUBLES = ffi.typeof("double[]")
 _CACHE = 16  # row factors kept per delta (distinct float32 scales, e.g. a bank's positions)
 _FIRST1 = ffi.new("int64_t[2]", [0, 1])  # one kernel entry of one member
-_apply_batch_dora = lib.lora_apply_batch_dora
+from . import _calls
+_apply_batch_dora = _calls.lora_apply_batch_dora
 
 
 def _base_array(base, rows, cols, what="base"):

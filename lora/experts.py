@@ -32,7 +32,8 @@ from .scale import LoraScale
 __all__ = ["LoraExperts", "apply_experts"]
 
 _I64 = arrays.I64
-_apply = lib.lora_apply_experts
+from . import _calls
+_apply = _calls.lora_apply_experts
 _ERR_INDEX = lib.LORA_ERR_INDEX
 _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
 _cast = ffi.cast

@@ -11,6 +11,7 @@ import pytest
 import lora
 import lora.delta as delta_mod
 from lora import _edge
+from lora import _calls
 from lora._lora_cffi import ffi, lib
 from conftest import assert_same_bits, make_delta
 
@@ -41,9 +42,9 @@ def _cffi_ref(d, x, out):
     xp, op = ffi.from_buffer(x), ffi.from_buffer(out, require_writable=True)
     xc, oc = CODE[x.dtype.name], CODE[out.dtype.name]
     if x.ndim == 1:
-        st = lib.lora_add(d._ptr, s, xp, xc, op, oc)
+        st = _calls.lora_add(d._ptr, s, xp, xc, op, oc)
     else:
-        st = lib.lora_add_batch(d._ptr, s, x.size // COLS, xp, xc, COLS, op, oc, ROWS)
+        st = _calls.lora_add_batch(d._ptr, s, x.size // COLS, xp, xc, COLS, op, oc, ROWS)
     assert st == 0
     return out
 
@@ -176,11 +177,11 @@ def test_malformed_calls_raise(args, entry):
 def test_setup_refuses_what_is_not_a_type_or_callable():
     i64, f64 = np.dtype(np.int64), np.dtype(np.float64)
     with pytest.raises(TypeError):
-        _edge.setup(1, (), i64, f64, (1, 1, 1))
+        _edge.setup(1, (), i64, f64, 1)
     with pytest.raises(TypeError):
         _edge.setup(np.ndarray, (), i64, f64, (1, 1))
     with pytest.raises(ValueError):
-        _edge.setup(np.ndarray, (), i64, f64, (0, 0, 0))
+        _edge.setup(np.ndarray, (), i64, f64, 0)
     with pytest.raises((TypeError, ValueError)):
         _edge.add_numpy_dtypes(((np.dtype(">f4"), 99),))
     with pytest.raises(TypeError):

@@ -41,12 +41,7 @@
  * It is not in NumPy's public headers; tests/test_edge.py pins its value against NumPy. */
 #define EDGE_NPY_WARN_ON_WRITE (1u << 31)
 
-typedef int (*add_fn)(const lora_delta *, float, const void *, int, void *, int);
-typedef int (*add_batch_fn)(const lora_delta *, float, int64_t, const void *, int, int64_t,
-                            void *, int, int64_t);
-typedef int (*apply_batch_fn)(int64_t, const int64_t *, const lora_delta *const *, const double *,
-                              const int64_t *, const double *, int64_t, int64_t, int64_t, int64_t,
-                              const void *, int, int64_t, void *, int, int64_t, int64_t *);
+typedef int (*apply_fn)(const lora_call *);
 
 typedef struct {
     PyObject *key[EDGE_MAX_DTYPES]; /* NumPy descr / torch dtype objects (strong references) */
@@ -58,15 +53,31 @@ static struct {
     PyTypeObject *ndarray;
     dtype_table np;
     PyObject *int64, *float64; /* NumPy's canonical descrs of adapter ids and position scales */
-    add_fn add;
-    add_batch_fn add_batch;
-    apply_batch_fn apply_batch;
+    apply_fn apply; /* lora_apply */
     /* torch: set at the first tensor the Python layer sees (import lora never imports torch) */
     PyTypeObject *tensor;
     /* torch.utils.dlpack.to_dlpack, torch.is_grad_enabled, the version bump */
     PyObject *to_dlpack, *grad_enabled, *bump;
     PyObject *s_requires_grad, *s_is_neg; /* interned names */
 } E;
+
+/* lora_apply of a projection (LORA_OP_PROJECT) over a table, positions [n] reading x and out
+ * with leading dimensions ldx / ldo; ids (NULL: entry 0) with `every` positions per id */
+static int project(int64_t n_entries, const int64_t *first, const lora_delta *const *deltas,
+                   const double *scales, const int64_t *ids, const double *pos, int64_t every,
+                   int64_t rows, int64_t cols, int64_t n, const void *x, int xc, int64_t ldx,
+                   void *out, int oc, int64_t ldo, int64_t *bad)
+{
+    lora_call c;
+    memset(&c, 0, sizeof c);
+    c.op = LORA_OP_PROJECT;
+    c.n_entries = n_entries, c.first = first, c.deltas = deltas, c.scales = scales;
+    c.rows = rows, c.cols = cols, c.n = n;
+    c.entry_ids = ids, c.pos_scales = pos, c.ids_every = every;
+    c.x = x, c.x_dtype = xc, c.ldx = ldx, c.out = out, c.out_dtype = oc, c.ldo = ldo;
+    c.bad = bad;
+    return E.apply(&c);
+}
 
 static int lookup(const dtype_table *t, PyObject *key)
 {
@@ -313,10 +324,11 @@ static PyObject *run(PyObject *args, int batched)
         st = -2;
         goto done;
     }
-    float s = (float)sd; /* what cffi does with a float argument */
+    static const int64_t first[2] = {0, 1};
+    const double s = (float)sd; /* the scale rounded once to float32, as the kernels use it */
     Py_BEGIN_ALLOW_THREADS
-    st = batched ? E.add_batch(d, s, n, fx.ptr, fx.code, d->cols, fo.ptr, fo.code, d->rows)
-                 : E.add(d, s, fx.ptr, fx.code, fo.ptr, fo.code);
+    st = project(1, first, &d, &s, NULL, NULL, 1, d->rows, d->cols, n, fx.ptr, fx.code, d->cols,
+                 fo.ptr, fo.code, d->rows, NULL);
     Py_END_ALLOW_THREADS
 done:
     Py_XDECREF(fx.keep);
@@ -414,8 +426,8 @@ static PyObject *edge_apply_batch(PyObject *self, PyObject *args)
     }
     int64_t bad = -1;
     Py_BEGIN_ALLOW_THREADS
-    st = E.apply_batch(n_kernel, first, deltas, scales, idp, posp, every, rows, cols, n, fx.ptr,
-                       fx.code, cols, fo.ptr, fo.code, rows, &bad);
+    st = project(n_kernel, first, deltas, scales, idp, posp, every, rows, cols, n, fx.ptr,
+                 fx.code, cols, fo.ptr, fo.code, rows, &bad);
     Py_END_ALLOW_THREADS
 done:
     Py_XDECREF(fx.keep);
@@ -446,27 +458,23 @@ static int add_pairs(dtype_table *t, PyObject *pairs)
     return 0;
 }
 
-/* setup(ndarray type, ((dtype, code), ...), int64 descr, float64 descr,
- *       (lora_add, lora_add_batch, lora_apply_batch addresses)) */
+/* setup(ndarray type, ((dtype, code), ...), int64 descr, float64 descr, lora_apply address) */
 static PyObject *edge_setup(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *nd, *pairs, *i64, *f64, *fns;
-    if (!PyArg_ParseTuple(args, "OOOOO", &nd, &pairs, &i64, &f64, &fns))
+    PyObject *nd, *pairs, *i64, *f64, *fn_o;
+    if (!PyArg_ParseTuple(args, "OOOOO", &nd, &pairs, &i64, &f64, &fn_o))
         return NULL;
-    if (!PyType_Check(nd) || !PyTuple_Check(fns) || PyTuple_Size(fns) != 3) {
+    if (!PyType_Check(nd)) {
         PyErr_SetString(PyExc_TypeError, "lora._edge: setup(ndarray type, dtype pairs, int64, "
-                                         "float64, (three entry addresses))");
+                                         "float64, lora_apply address)");
         return NULL;
     }
-    void *fn[3];
-    for (int i = 0; i < 3; i++) {
-        fn[i] = PyLong_AsVoidPtr(PyTuple_GetItem(fns, i));
-        if (fn[i] == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "lora._edge: a NULL entry point");
-            return NULL;
-        }
+    void *fn = PyLong_AsVoidPtr(fn_o);
+    if (fn == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "lora._edge: a NULL entry point");
+        return NULL;
     }
     if (add_pairs(&E.np, pairs) < 0)
         return NULL;
@@ -477,9 +485,7 @@ static PyObject *edge_setup(PyObject *self, PyObject *args)
         Py_XDECREF(*slot[i]);
         *slot[i] = val[i];
     }
-    E.add = (add_fn)fn[0];
-    E.add_batch = (add_batch_fn)fn[1];
-    E.apply_batch = (apply_batch_fn)fn[2];
+    E.apply = (apply_fn)fn;
     Py_RETURN_NONE;
 }
 
@@ -530,7 +536,7 @@ static PyMethodDef methods[] = {
     {"plan_run", edge_plan_run, METH_VARARGS,
      "plan_run(PEFT layer plan, x) -> the output, None (declined), or (result, base)"},
     {"setup", edge_setup, METH_VARARGS,
-     "setup(ndarray, dtype pairs, int64, float64, (lora_add, lora_add_batch, lora_apply_batch))"},
+     "setup(ndarray, dtype pairs, int64, float64, lora_apply address)"},
     {"add_numpy_dtypes", edge_add_numpy_dtypes, METH_O, "add_numpy_dtypes(dtype pairs)"},
     {"setup_torch", edge_setup_torch, METH_VARARGS,
      "setup_torch(Tensor, to_dlpack, is_grad_enabled, version bump)"},

@@ -376,11 +376,14 @@ static PyObject *edge_plan_run(PyObject *self, PyObject *args)
     int64_t bad = -1;
     if (n > 0) {
         Py_BEGIN_ALLOW_THREADS
+        static const int64_t one[2] = {0, 1};
+        const double s = (float)scale;
         st = delta != NULL
-                 ? E.add_batch(delta, (float)scale, n, fx.ptr, fx.code, cols, fo.ptr, fo.code, rows)
-                 : E.apply_batch(n_kernel, first, deltas, scales, idp, NULL,
-                                 idp != NULL ? n / fx.dim[0] : 1, rows, cols, n, fx.ptr, fx.code,
-                                 cols, fo.ptr, fo.code, rows, &bad);
+                 ? project(1, one, &delta, &s, NULL, NULL, 1, rows, cols, n, fx.ptr, fx.code, cols,
+                           fo.ptr, fo.code, rows, NULL)
+                 : project(n_kernel, first, deltas, scales, idp, NULL,
+                           idp != NULL ? n / fx.dim[0] : 1, rows, cols, n, fx.ptr, fx.code, cols,
+                           fo.ptr, fo.code, rows, &bad);
         Py_END_ALLOW_THREADS
     }
 tail:

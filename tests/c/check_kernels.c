@@ -22,7 +22,7 @@
  *     rounding boundaries, subnormals, overflow, inf and NaN, pushed through
  *     the kernels' vector and scalar rounding;
  *   - batch invariance: row b of a batch call = the decode call on x[b];
- *     the same for the gather (rows of lora_add_rows = one id alone);
+ *     the same for the gather (rows of a gather call = one id alone);
  *   - thread invariance: 1 thread vs 2 on shapes above the parallel
  *     threshold (decode, prefill, gather, bank), same bits;
  *   - a stack = its members applied in order (float32 out: bit-identical to
@@ -30,7 +30,7 @@
  *     once), within the bound of the reference;
  *   - a bank row = its entry applied alone, with -1 ids and zero position
  *     scales leaving the row's bits untouched;
- *   - routed experts (lora_apply_experts): every (token, slot) pair's row =
+ *   - routed experts (LORA_OP_EXPERTS): every (token, slot) pair's row =
  *     its adapter's expert applied alone, x shared by a token's slots or one
  *     per slot, -1 experts / adapters and zero scales untouched, 1 thread =
  *     2 threads, and out-of-range expert / adapter ids refused with their
@@ -44,6 +44,81 @@
 #include <string.h>
 
 #include "kernels.h" /* lora.h, and the portable conversions used as the reference */
+
+/* The calls these checks make, each one lora_call through lora_apply (the one apply entry
+ * point): a delta alone (a table of one entry of one member), a table with entry ids and
+ * position scales, the gather, and routed experts.  The delta's rows and cols come from
+ * lora_delta_dims. */
+static int apply_(int op, int64_t n_entries, const int64_t *first, const lora_delta *const *dp,
+                  const double *sc, const int64_t *eid, const double *ps, int64_t every,
+                  int64_t rows, int64_t cols, int64_t n, const int64_t *ids, const void *x, int xt,
+                  int64_t ldx, void *out, int ot, int64_t ldo, int64_t *bad) {
+    lora_call c;
+    memset(&c, 0, sizeof c);
+    c.op = op, c.n_entries = n_entries, c.first = first, c.deltas = dp, c.scales = sc;
+    c.entry_ids = eid, c.pos_scales = ps, c.ids_every = every, c.rows = rows, c.cols = cols;
+    c.n = n, c.ids = ids, c.x = x, c.x_dtype = xt, c.ldx = ldx, c.out = out, c.out_dtype = ot;
+    c.ldo = ldo, c.bad = bad;
+    return lora_apply(&c);
+}
+
+static int add_batch_(const lora_delta *d, float s, int64_t n, const void *x, int xt, int64_t ldx,
+                      void *out, int ot, int64_t ldo) {
+    static const int64_t first[2] = {0, 1};
+    const double sc = s;
+    int64_t rows, cols;
+    lora_delta_dims(d, NULL, &rows, &cols);
+    return apply_(LORA_OP_PROJECT, 1, first, &d, &sc, NULL, NULL, 1, rows, cols, n, NULL, x, xt,
+                  ldx, out, ot, ldo, NULL);
+}
+
+static int add_(const lora_delta *d, float s, const void *x, int xt, void *out, int ot) {
+    int64_t rows, cols;
+    lora_delta_dims(d, NULL, &rows, &cols);
+    return add_batch_(d, s, 1, x, xt, cols, out, ot, rows);
+}
+
+static int add_rows_(const lora_delta *d, float s, int64_t n, const int64_t *ids, void *out, int ot,
+                     int64_t ldo, int64_t *bad) {
+    static const int64_t first[2] = {0, 1};
+    const double sc = s;
+    int64_t rows, cols;
+    lora_delta_dims(d, NULL, &rows, &cols);
+    return apply_(LORA_OP_ROWS, 1, first, &d, &sc, NULL, NULL, 1, rows, cols, n, ids, NULL, 0, 0,
+                  out, ot, ldo, bad);
+}
+
+static int apply_batch_(int64_t ne, const int64_t *first, const lora_delta *const *dp,
+                        const double *sc, const int64_t *eid, const double *ps, int64_t every,
+                        int64_t rows, int64_t cols, int64_t n, const void *x, int xt, int64_t ldx,
+                        void *out, int ot, int64_t ldo, int64_t *bad) {
+    return apply_(LORA_OP_PROJECT, ne, first, dp, sc, eid, ps, every, rows, cols, n, NULL, x, xt,
+                  ldx, out, ot, ldo, bad);
+}
+
+static int apply_rows_(int64_t ne, const int64_t *first, const lora_delta *const *dp,
+                       const double *sc, const int64_t *eid, const double *ps, int64_t every,
+                       int64_t rows, int64_t cols, int64_t n, const int64_t *ids, void *out, int ot,
+                       int64_t ldo, int64_t *bad) {
+    return apply_(LORA_OP_ROWS, ne, first, dp, sc, eid, ps, every, rows, cols, n, ids, NULL, 0, 0,
+                  out, ot, ldo, bad);
+}
+
+static int apply_experts_(int64_t ne, const int64_t *first, const lora_delta *const *dp,
+                          const double *sc, int64_t n_adapters, const int64_t *starts,
+                          int64_t n_experts, const int64_t *aid, const double *ps, int64_t every,
+                          const int64_t *eid, int64_t x_every, int64_t rows, int64_t cols,
+                          int64_t n, const void *x, int xt, int64_t ldx, void *out, int ot,
+                          int64_t ldo, int64_t *bad) {
+    lora_call c;
+    memset(&c, 0, sizeof c);
+    c.op = LORA_OP_EXPERTS, c.n_entries = ne, c.first = first, c.deltas = dp, c.scales = sc;
+    c.n_adapters = n_adapters, c.starts = starts, c.n_experts = n_experts, c.entry_ids = aid;
+    c.pos_scales = ps, c.ids_every = every, c.expert_ids = eid, c.x_every = x_every;
+    c.rows = rows, c.cols = cols, c.n = n, c.x = x, c.x_dtype = xt, c.ldx = ldx, c.out = out;
+    c.out_dtype = ot, c.ldo = ldo, c.bad = bad;
+    return lora_apply(&c);
+}
 
 static long g_pass, g_fail;
 static const char *g_isa = "?";
@@ -227,7 +302,7 @@ static void check_shape(int isa, int dt, int64_t rank, int64_t rows, int64_t col
                      (long long)batch);
             /* float32 x and out holding the same values: the reference result */
             memcpy(o32, ow, sizeof(float) * (size_t)no);
-            CHECK(lora_add_batch(d.d, s, batch, xw, LORA_DTYPE_F32, cols, o32, LORA_DTYPE_F32, rows) == LORA_OK, "status");
+            CHECK(add_batch_(d.d, s, batch, xw, LORA_DTYPE_F32, cols, o32, LORA_DTYPE_F32, rows) == LORA_OK, "status");
             for (int64_t i = 0; i < no; i++) ref[i] = ow[i], mag[i] = 0;
             ref_batch(&d, s, batch, xw, ref, mag);
             if (xt == 0 && ot == 0) {
@@ -235,7 +310,7 @@ static void check_shape(int isa, int dt, int64_t rank, int64_t rows, int64_t col
                 if (isa != LORA_ISA_SCALAR) {
                     set_isa(LORA_ISA_SCALAR);
                     memcpy(oscalar, ow, sizeof(float) * (size_t)no);
-                    lora_add_batch(d.d, s, batch, xw, LORA_DTYPE_F32, cols, oscalar, LORA_DTYPE_F32, rows);
+                    add_batch_(d.d, s, batch, xw, LORA_DTYPE_F32, cols, oscalar, LORA_DTYPE_F32, rows);
                     set_isa(isa);
                     double worst = 0;
                     for (int64_t i = 0; i < no; i++) {
@@ -248,13 +323,13 @@ static void check_shape(int isa, int dt, int64_t rank, int64_t rows, int64_t col
             }
             /* the call in these dtypes: the float32 result, rounded once into ot */
             memcpy(got, out0, (size_t)no * lora_dtype_size(ot));
-            CHECK(lora_add_batch(d.d, s, batch, x, xt, cols, got, ot, rows) == LORA_OK, "status");
+            CHECK(add_batch_(d.d, s, batch, x, xt, cols, got, ot, rows) == LORA_OK, "status");
             narrow_ref(o32, no, want, ot);
             CHECK(same_bits(got, want, no, ot), "not the float32 result rounded once");
             /* batch invariance: each row = the decode call */
             for (int64_t b = 0; b < batch; b++) {
                 memcpy(one, (char *)out0 + b * rows * lora_dtype_size(ot), (size_t)rows * lora_dtype_size(ot));
-                lora_add(d.d, s, (char *)x + b * cols * lora_dtype_size(xt), xt, one, ot);
+                add_(d.d, s, (char *)x + b * cols * lora_dtype_size(xt), xt, one, ot);
                 CHECK(same_bits(one, (char *)got + b * rows * lora_dtype_size(ot), rows, ot),
                       "row %lld of the batch differs from the decode call", (long long)b);
             }
@@ -279,17 +354,17 @@ static void check_shape(int isa, int dt, int64_t rank, int64_t rows, int64_t col
         void *out0 = rand_array(n * cols, ot, gw, 2.0f);
         memcpy(g32, gw, sizeof(float) * (size_t)(n * cols));
         int64_t bad;
-        CHECK(lora_add_rows(d.d, s, n, ids, g32, LORA_DTYPE_F32, cols, &bad) == LORA_OK, "status");
+        CHECK(add_rows_(d.d, s, n, ids, g32, LORA_DTYPE_F32, cols, &bad) == LORA_OK, "status");
         for (int64_t i = 0; i < n * cols; i++) gref[i] = gw[i], gmag[i] = 0;
         ref_rows(&d, s, n, ids, gref, gmag);
         check_accurate(g32, gref, gmag, gw, n * cols, rank + 4, "gather vs double reference");
         memcpy(gg, out0, (size_t)(n * cols) * lora_dtype_size(ot));
-        CHECK(lora_add_rows(d.d, s, n, ids, gg, ot, cols, &bad) == LORA_OK, "status");
+        CHECK(add_rows_(d.d, s, n, ids, gg, ot, cols, &bad) == LORA_OK, "status");
         narrow_ref(g32, n * cols, gwant, ot);
         CHECK(same_bits(gg, gwant, n * cols, ot), "gather: not the float32 result rounded once");
         for (int64_t i = 0; i < n; i++) {
             memcpy(gone, (char *)out0 + i * cols * lora_dtype_size(ot), (size_t)cols * lora_dtype_size(ot));
-            lora_add_rows(d.d, s, 1, ids + i, gone, ot, cols, &bad);
+            add_rows_(d.d, s, 1, ids + i, gone, ot, cols, &bad);
             CHECK(same_bits(gone, (char *)gg + i * cols * lora_dtype_size(ot), cols, ot),
                   "gather row %lld differs from the id alone", (long long)i);
         }
@@ -316,9 +391,9 @@ static void check_threads_batch(int dt, int ot, int64_t rank, int64_t rows, int6
              DT[dt], DT[ot], (long long)rank, (long long)rows, (long long)cols, (long long)batch);
     memcpy(o1, out0, ob), memcpy(o2, out0, ob);
     lora_set_num_threads(1);
-    lora_add_batch(d.d, 0.5f, batch, x, LORA_DTYPE_BF16, cols, o1, ot, rows);
+    add_batch_(d.d, 0.5f, batch, x, LORA_DTYPE_BF16, cols, o1, ot, rows);
     lora_set_num_threads(2);
-    lora_add_batch(d.d, 0.5f, batch, x, LORA_DTYPE_BF16, cols, o2, ot, rows);
+    add_batch_(d.d, 0.5f, batch, x, LORA_DTYPE_BF16, cols, o2, ot, rows);
     lora_set_num_threads(0);
     CHECK(memcmp(o1, o2, ob) == 0, "1 thread and 2 threads differ");
     /* gather on the same delta */
@@ -326,9 +401,9 @@ static void check_threads_batch(int dt, int ot, int64_t rank, int64_t rows, int6
     const size_t gb = (size_t)(5 * cols) * lora_dtype_size(ot);
     void *g1 = calloc(1, gb), *g2 = calloc(1, gb);
     lora_set_num_threads(1);
-    lora_add_rows(d.d, 0.5f, 5, ids, g1, ot, cols, &bad);
+    add_rows_(d.d, 0.5f, 5, ids, g1, ot, cols, &bad);
     lora_set_num_threads(2);
-    lora_add_rows(d.d, 0.5f, 5, ids, g2, ot, cols, &bad);
+    add_rows_(d.d, 0.5f, 5, ids, g2, ot, cols, &bad);
     lora_set_num_threads(0);
     CHECK(memcmp(g1, g2, gb) == 0, "gather: 1 thread and 2 threads differ");
     free(g1), free(g2), free(o1), free(o2), free(x), free(out0), free(xw), free(ow);
@@ -361,7 +436,7 @@ static void check_stack_and_bank(int ot, int64_t rows, int64_t cols, int64_t bat
              (long long)rows, (long long)cols, (long long)batch, threads);
     const int64_t first1[2] = {0, 3};
     memcpy(o32, ow, sizeof(float) * (size_t)no);
-    CHECK(lora_apply_batch(1, first1, dp, sc, NULL, NULL, 1, rows, cols, batch, xw, LORA_DTYPE_F32,
+    CHECK(apply_batch_(1, first1, dp, sc, NULL, NULL, 1, rows, cols, batch, xw, LORA_DTYPE_F32,
                            cols, o32, LORA_DTYPE_F32, rows, &bad) == LORA_OK, "status");
     for (int64_t i = 0; i < no; i++) ref[i] = ow[i], mag[i] = 0;
     for (int q = 0; q < 3; q++) ref_batch(&m[q], (float)sc[q], batch, xw, ref, mag);
@@ -370,11 +445,11 @@ static void check_stack_and_bank(int ot, int64_t rows, int64_t cols, int64_t bat
     float *s32 = (float *)xmalloc(sizeof(float) * (size_t)no);
     memcpy(s32, ow, sizeof(float) * (size_t)no);
     for (int q = 0; q < 3; q++)
-        lora_add_batch(dp[q], (float)sc[q], batch, xw, LORA_DTYPE_F32, cols, s32, LORA_DTYPE_F32, rows);
+        add_batch_(dp[q], (float)sc[q], batch, xw, LORA_DTYPE_F32, cols, s32, LORA_DTYPE_F32, rows);
     CHECK(memcmp(s32, o32, sizeof(float) * (size_t)no) == 0, "stack != its members applied in order");
     free(s32);
     memcpy(got, out0, ob);
-    lora_apply_batch(1, first1, dp, sc, NULL, NULL, 1, rows, cols, batch, x, LORA_DTYPE_F16, cols,
+    apply_batch_(1, first1, dp, sc, NULL, NULL, 1, rows, cols, batch, x, LORA_DTYPE_F16, cols,
                      got, ot, rows, &bad);
     narrow_ref(o32, no, want, ot);
     CHECK(same_bits(got, want, no, ot), "stack: not the float32 result rounded once");
@@ -390,14 +465,14 @@ static void check_stack_and_bank(int ot, int64_t rows, int64_t cols, int64_t bat
         ps[b] = b % 5 == 3 ? 0.0 : 0.5 + uniform();
     }
     memcpy(got, out0, ob);
-    CHECK(lora_apply_batch(3, first3, dp, sc, eid, ps, 1, rows, cols, batch, x, LORA_DTYPE_F16, cols,
+    CHECK(apply_batch_(3, first3, dp, sc, eid, ps, 1, rows, cols, batch, x, LORA_DTYPE_F16, cols,
                            got, ot, rows, &bad) == LORA_OK, "status");
     for (int64_t b = 0; b < batch; b++) {
         void *row = (char *)seq + b * rows * osz;
         memcpy(row, (char *)out0 + b * rows * osz, (size_t)rows * osz);
         if (eid[b] >= 0) {
             const int64_t e = eid[b], f[2] = {0, first3[e + 1] - first3[e]};
-            lora_apply_batch(1, f, dp + first3[e], sc + first3[e], NULL, ps + b, 1, rows, cols, 1,
+            apply_batch_(1, f, dp + first3[e], sc + first3[e], NULL, ps + b, 1, rows, cols, 1,
                              (char *)x + b * cols * 2, LORA_DTYPE_F16, cols, row, ot, rows, &bad);
         }
         CHECK(same_bits(row, (char *)got + b * rows * osz, rows, ot),
@@ -415,14 +490,14 @@ static void check_stack_and_bank(int ot, int64_t rows, int64_t cols, int64_t bat
     float *gw = (float *)xmalloc(sizeof(float) * (size_t)ng);
     void *g0 = rand_array(ng, ot, gw, 1.0f), *gg = xmalloc(gb), *gs = xmalloc(gb);
     memcpy(gg, g0, gb);
-    CHECK(lora_apply_rows(3, first3, dp, sc, eid, ps, 1, rows, cols, batch, tok, gg, ot, cols, &bad) == LORA_OK,
+    CHECK(apply_rows_(3, first3, dp, sc, eid, ps, 1, rows, cols, batch, tok, gg, ot, cols, &bad) == LORA_OK,
           "status");
     for (int64_t b = 0; b < batch; b++) {
         void *row = (char *)gs + b * cols * osz;
         memcpy(row, (char *)g0 + b * cols * osz, (size_t)cols * osz);
         if (eid[b] >= 0) {
             const int64_t e = eid[b], f[2] = {0, first3[e + 1] - first3[e]};
-            lora_apply_rows(1, f, dp + first3[e], sc + first3[e], NULL, ps + b, 1, rows, cols, 1,
+            apply_rows_(1, f, dp + first3[e], sc + first3[e], NULL, ps + b, 1, rows, cols, 1,
                             tok + b, row, ot, cols, &bad);
         }
         CHECK(same_bits(row, (char *)gg + b * cols * osz, cols, ot),
@@ -471,8 +546,8 @@ static void check_rounding(int ot) {
     uint16_t *oh = (uint16_t *)calloc((size_t)(n * rows), sizeof(uint16_t));
     uint16_t *want = (uint16_t *)xmalloc(sizeof(uint16_t) * (size_t)(n * rows));
     snprintf(g_what, sizeof g_what, "rounding sweep out=%s (%lld values)", DT[ot], (long long)n);
-    lora_add_batch(d, 1.0f, n, xs, LORA_DTYPE_F32, 1, o32, LORA_DTYPE_F32, rows);
-    lora_add_batch(d, 1.0f, n, xs, LORA_DTYPE_F32, 1, oh, ot, rows);
+    add_batch_(d, 1.0f, n, xs, LORA_DTYPE_F32, 1, o32, LORA_DTYPE_F32, rows);
+    add_batch_(d, 1.0f, n, xs, LORA_DTYPE_F32, 1, oh, ot, rows);
     narrow_ref(o32, n * rows, want, ot);
     int64_t bad = -1, nbad = 0;
     for (int64_t i = 0; i < n * rows; i++)
@@ -538,7 +613,7 @@ static void check_experts(int ot, int shared, int64_t rows, int64_t cols, int64_
         lora_set_num_threads(pass ? 2 : threads);
         void *dst = pass ? two : got;
         memcpy(dst, out0, ob);
-        CHECK(lora_apply_experts(2 * E + 1, first, dp, sc, 3, starts, E, aid, ps, K, eid, xe, rows,
+        CHECK(apply_experts_(2 * E + 1, first, dp, sc, 3, starts, E, aid, ps, K, eid, xe, rows,
                                  cols, n, x, LORA_DTYPE_BF16, cols, dst, ot, rows, &bad) == LORA_OK,
               "status");
     }
@@ -548,7 +623,7 @@ static void check_experts(int ot, int shared, int64_t rows, int64_t cols, int64_
         memcpy(row, (char *)out0 + q * rows * osz, (size_t)rows * osz);
         if (a >= 0 && e >= 0 && a != 1) {
             const int64_t k = starts[a] + e, f[2] = {0, 1};
-            lora_apply_batch(1, f, dp + first[k], sc + first[k], NULL, ps + t, 1, rows, cols, 1,
+            apply_batch_(1, f, dp + first[k], sc + first[k], NULL, ps + t, 1, rows, cols, 1,
                              (char *)x + (q / xe) * cols * 2, LORA_DTYPE_BF16, cols, row, ot, rows,
                              &bad);
         }
@@ -559,12 +634,12 @@ static void check_experts(int ot, int shared, int64_t rows, int64_t cols, int64_
     /* refusals: nothing written, the position named */
     memcpy(got, out0, ob);
     eid[n - 1] = E;
-    CHECK(lora_apply_experts(2 * E + 1, first, dp, sc, 3, starts, E, aid, ps, K, eid, xe, rows, cols,
+    CHECK(apply_experts_(2 * E + 1, first, dp, sc, 3, starts, E, aid, ps, K, eid, xe, rows, cols,
                              n, x, LORA_DTYPE_BF16, cols, got, ot, rows, &bad) == LORA_ERR_INDEX &&
               bad == n - 1, "expert id E: status / bad %lld", (long long)bad);
     eid[n - 1] = -1;
     aid[T - 1] = 3;
-    CHECK(lora_apply_experts(2 * E + 1, first, dp, sc, 3, starts, E, aid, ps, K, eid, xe, rows, cols,
+    CHECK(apply_experts_(2 * E + 1, first, dp, sc, 3, starts, E, aid, ps, K, eid, xe, rows, cols,
                              n, x, LORA_DTYPE_BF16, cols, got, ot, rows, &bad) == LORA_ERR_ADAPTER &&
               bad == T - 1, "adapter id 3: status / bad %lld", (long long)bad);
     CHECK(same_bits(got, out0, no, ot), "a refused experts call wrote out");
@@ -591,11 +666,11 @@ static void check_statuses(void) {
         const int dt = bad_codes[c];
         CHECK(lora_delta_new(dt, 1, 3, 2, a, b) == NULL, "lora_delta_new(dtype %d)", dt);
         CHECK(lora_delta_view(dt, 1, 3, 2, a, 2, 0, b, 3, 0) == NULL, "lora_delta_view(dtype %d)", dt);
-        CHECK(lora_add(d, 1.0f, x, dt, out, LORA_DTYPE_F32) == LORA_ERR_DTYPE, "lora_add x dtype %d", dt);
-        CHECK(lora_add(d, 1.0f, x, LORA_DTYPE_F32, out, dt) == LORA_ERR_DTYPE, "lora_add out dtype %d", dt);
-        CHECK(lora_apply_batch(1, first, dp, sc, NULL, NULL, 1, 3, 2, 1, x, dt, 2, out, LORA_DTYPE_F32, 3,
-                               &bad) == LORA_ERR_DTYPE, "lora_apply_batch x dtype %d", dt);
-        CHECK(lora_add_rows(d, 1.0f, 1, ids, out, dt, 2, &bad) == LORA_ERR_DTYPE, "lora_add_rows dtype %d", dt);
+        CHECK(add_(d, 1.0f, x, dt, out, LORA_DTYPE_F32) == LORA_ERR_DTYPE, "add x dtype %d", dt);
+        CHECK(add_(d, 1.0f, x, LORA_DTYPE_F32, out, dt) == LORA_ERR_DTYPE, "add out dtype %d", dt);
+        CHECK(apply_batch_(1, first, dp, sc, NULL, NULL, 1, 3, 2, 1, x, dt, 2, out, LORA_DTYPE_F32, 3,
+                               &bad) == LORA_ERR_DTYPE, "apply x dtype %d", dt);
+        CHECK(add_rows_(d, 1.0f, 1, ids, out, dt, 2, &bad) == LORA_ERR_DTYPE, "rows dtype %d", dt);
         double m = 5.0;
         CHECK(lora_abs_max(out, dt, 3, 1, 3, &m) == LORA_ERR_DTYPE, "lora_abs_max dtype %d", dt);
         const double ad[2] = {1.0, 1.0}, bd[3] = {1.0, 1.0, 1.0};
