@@ -41,7 +41,7 @@ static int check_activations_(const lora_call *c, int64_t n_x) {
                             (int64_t)(((n - 1) * c->ldo + rows) * osz)))
         return LORA_ERR_OVERLAP;
     for (int64_t q = 0; c->n_entries > 0 && c->first && q < c->first[c->n_entries]; q++)
-        if (c->deltas[q] && c->deltas[q]->a_by_row) return LORA_ERR_ARG; /* a gather-only view */
+        if (c->deltas[q] && c->deltas[q]->a.by_row) return LORA_ERR_ARG; /* a gather-only view */
     return LORA_OK;
 }
 

@@ -29,23 +29,32 @@ double lora_bench_read(const float *buf, int64_t n, int64_t reps, int nthreads) 
     return total;
 }
 
-/* A delta's own packed factors (whole padded rows), read in the order its
- * decode call meets them: A (the project), then B^T (the accumulate), each
- * split over the team, which meets once in between; *bytes += what was read. */
-static double read_delta_(const lora_delta *d, lora_read_fn read, int tid, int nt, int64_t *bytes) {
-    const int64_t isz = (int64_t)lora_dtype_size(d->dtype);
-    const int64_t na = d->rank * d->lda * isz / 4, nb = d->rank * d->ldb * isz / 4;
+/* A delta's own packed factors (whole padded rows, a block format's scales
+ * after its values), read in the order its decode call meets them: A (the
+ * project), then B^T (the accumulate), each split over the team, which meets
+ * once in between; *bytes += what was read. */
+static double read_factor_(const lora_factor *f, int64_t rank, lora_read_fn read, int tid, int nt,
+                           int64_t *bytes) {
+    const int64_t nv = rank * f->ld * (int64_t)lora_format_value_size(f->fmt) / 4;
+    const int64_t block = lora_format_block(f->fmt);
+    const int64_t nd = block > 1 ? rank * f->ld / block * 2 / 4 : 0;
     int64_t lo, hi;
-    if (tid == 0) *bytes += 4 * (na + nb);
-    lora_split(na, tid, nt, 16, &lo, &hi);
-    double total = read((const float *)d->a + lo, hi - lo);
+    if (tid == 0) *bytes += 4 * (nv + nd);
+    lora_split(nv, tid, nt, 16, &lo, &hi);
+    double total = read((const float *)f->v + lo, hi - lo);
+    lora_split(nd, tid, nt, 16, &lo, &hi);
+    if (nd) total += read((const float *)f->d + lo, hi - lo);
+    return total;
+}
+
+static double read_delta_(const lora_delta *d, lora_read_fn read, int tid, int nt, int64_t *bytes) {
+    double total = read_factor_(&d->a, d->rank, read, tid, nt, bytes);
 #ifdef _OPENMP
     if (nt > 1) {
 #pragma omp barrier
     }
 #endif
-    lora_split(nb, tid, nt, 16, &lo, &hi);
-    return total + read((const float *)d->bt + lo, hi - lo);
+    return total + read_factor_(&d->bt, d->rank, read, tid, nt, bytes);
 }
 
 double lora_bench_read_deltas(const lora_delta *const *ds, int64_t n, int nthreads,

@@ -101,7 +101,7 @@ static void epilogue_accumulate_(const lora_plan *p, const lora_term *terms, int
          * element sees the same operations in the same order as in strips) */
         for (int q = 0; q < n_terms; q++) {
             const lora_term *tm = &terms[q];
-            if (tm->active) kt->accumulate[LORA_DTYPE_F32](tm, 1, i0, i1, nb, outs);
+            if (tm->active) kt->accumulate[LORA_DTYPE_F32](tm, 1, i0, i1, nb, outs, 0);
             for (int b = 0; b < nb; b++)
                 if (tm->epi[b]) epilogue_(tm->epilogue, tm->epi[b], i0, i1 - i0, (float *)outs[b] + i0);
         }
@@ -118,10 +118,7 @@ static void epilogue_accumulate_(const lora_plan *p, const lora_term *terms, int
         for (int q = 0; q < n_terms; q++) {
             const lora_term *tm = &terms[q];
             if (tm->active) {
-                lora_term at = *tm;
-                const int64_t shift = tm->by_row ? i * tm->ldm : i;
-                at.m = (const char *)tm->m + (size_t)shift * lora_dtype_size(tm->dtype);
-                kt->accumulate[LORA_DTYPE_F32](&at, 1, 0, n, nb, (void *const *)so);
+                kt->accumulate[LORA_DTYPE_F32](tm, 1, i, i + n, nb, (void *const *)so, i);
             }
             for (int b = 0; b < nb; b++)
                 if (tm->epi[b]) epilogue_(tm->epilogue, tm->epi[b], i, n, so[b]);
@@ -134,7 +131,7 @@ static void epilogue_accumulate_(const lora_plan *p, const lora_term *terms, int
 static void accumulate_(const lora_plan *p, const lora_term *terms, int n_terms, int epi,
                         int64_t i0, int64_t i1, int nb, void *const *outs) {
     if (epi) epilogue_accumulate_(p, terms, n_terms, i0, i1, nb, outs);
-    else p->kt->accumulate[p->out_dtype](terms, n_terms, i0, i1, nb, outs);
+    else p->kt->accumulate[p->out_dtype](terms, n_terms, i0, i1, nb, outs, 0);
 }
 
 /* Block blk's positions and the terms of its entry's members into bk, with
@@ -185,11 +182,12 @@ static void prepare_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, 
             continue;
         }
         const lora_delta *d = p->deltas[q];
-        tm->m = gather ? d->a : d->bt;
-        tm->ldm = gather ? d->lda : d->ldb;
-        tm->by_row = gather ? d->a_by_row : d->b_by_row;
+        const lora_factor *mf = gather ? &d->a : &d->bt;
+        tm->m = lora_run_of(mf);
+        tm->ldm = mf->ld;
+        tm->by_row = mf->by_row;
         tm->kdim = d->rank;
-        tm->dtype = d->dtype;
+        tm->fmt = mf->fmt;
         tm->u = t + off;
         tm->ldu = d->rank;
         which[n_terms] = d;
@@ -209,8 +207,9 @@ static void prepare_block_(const lora_plan *p, int64_t blk, const scratch_ *sc, 
         float *u = (float *)terms[q].u;
         for (int b = 0; b < nb; b++)
             for (int64_t k = 0; k < d->rank; k++)
-                u[b * d->rank + k] = lora_load_f32(
-                    d->bt, d->b_by_row ? tok[b] * d->ldb + k : k * d->ldb + tok[b], d->dtype);
+                u[b * d->rank + k] = lora_run_load(
+                    lora_run_of(&d->bt), d->bt.by_row ? tok[b] * d->bt.ld + k : k * d->bt.ld + tok[b],
+                    d->bt.fmt);
     }
 }
 
@@ -247,7 +246,7 @@ static void run_group_(const lora_plan *p, int64_t blk0, int ng, const scratch_ 
             const lora_delta *d = bk[g].which[q];
             lora_split(d->rank, tid, nt, 1, &lo, &hi);
             if (lo < hi)
-                p->kt->project[d->dtype](d->a, d->lda, d->cols, lo, hi, bk[g].nb, bk[g].xs,
+                p->kt->project[d->a.fmt](lora_run_of(&d->a), d->a.ld, d->cols, lo, hi, bk[g].nb, bk[g].xs,
                                          p->x_dtype, (float *)bk[g].terms[q].u, d->rank);
         }
 #ifdef _OPENMP
@@ -320,7 +319,8 @@ int lora_run_plan(const lora_plan *p, int gather) {
         for (int64_t q = p->first[e]; q < p->first[e + 1]; q++) {
             const lora_delta *d = p->deltas[q];
             per += d->rank * (gather ? p->cols : p->rows + p->cols);
-            per_bytes += d->rank * (p->rows + p->cols) * (int64_t)lora_dtype_size(d->dtype);
+            per_bytes += d->rank * (lora_format_bytes(d->bt.fmt, p->rows) +
+                                    lora_format_bytes(d->a.fmt, p->cols));
         }
         if (per > work) work = per;
         if (per_bytes > bytes) bytes = per_bytes;

@@ -28,7 +28,7 @@ void lora_aligned_free(void *p) {
 #endif
 }
 
-LORA_DTYPES(LORA_SIZE_2_OR_4, delta_transpose)
+LORA_FORMATS_HANDLED(3, delta_packing_knows_the_element_formats);
 
 static int64_t round_up_(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -45,62 +45,87 @@ static int64_t packed_ld_(int64_t n, size_t isz) {
     return ld % 256 == 0 ? ld + LORA_ALIGN / (int64_t)isz : ld;
 }
 
-lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
-                           const void *b) {
-    if (!lora_dtype_valid(dtype) || rank < 1 || rows < 1 || cols < 1)
+/* an own, zeroed factor of n rows of `len` values in format fmt (rows padded, see
+ * packed_ld_); LORA_OK or LORA_ERR_NOMEM */
+static int alloc_factor_(lora_factor *f, int fmt, int64_t n, int64_t len) {
+    const size_t isz = lora_format_value_size(fmt);
+    f->fmt = fmt, f->by_row = 0, f->d = NULL;
+    f->ld = packed_ld_(len, isz);
+    f->v = lora_aligned_alloc((size_t)(n * f->ld) * isz);
+    if (!f->v) return LORA_ERR_NOMEM;
+    memset(f->v, 0, (size_t)(n * f->ld) * isz);
+    return LORA_OK;
+}
+
+/* one element format's values: row r of src [n, len] (src_by_col: element (r, c) at
+ * src[c * n + r], the transposition of B into B^T) into the factor's row r */
+static void pack_values_(lora_factor *f, int64_t n, int64_t len, const void *src, int src_by_col) {
+    const size_t isz = lora_format_value_size(f->fmt);
+    if (!src_by_col) {
+        for (int64_t r = 0; r < n; r++)
+            memcpy((char *)f->v + (size_t)(r * f->ld) * isz, (const char *)src + (size_t)(r * len) * isz,
+                   (size_t)len * isz);
+        return;
+    }
+    /* one unit-stride row per rank index, by element size */
+    if (isz == 4) {
+        const uint32_t *sp = (const uint32_t *)src;
+        uint32_t *dp = (uint32_t *)f->v;
+        for (int64_t c = 0; c < len; c++)
+            for (int64_t r = 0; r < n; r++) dp[r * f->ld + c] = sp[c * n + r];
+    } else {
+        const uint16_t *sp = (const uint16_t *)src;
+        uint16_t *dp = (uint16_t *)f->v;
+        for (int64_t c = 0; c < len; c++)
+            for (int64_t r = 0; r < n; r++) dp[r * f->ld + c] = sp[c * n + r];
+    }
+}
+
+static void free_factor_(lora_factor *f) {
+    lora_aligned_free(f->v);
+    lora_aligned_free(f->d);
+    f->v = NULL, f->d = NULL;
+}
+
+lora_delta *lora_delta_new(int a_fmt, int b_fmt, int64_t rank, int64_t rows, int64_t cols,
+                           const void *a, const void *b) {
+    if (!lora_format_valid(a_fmt) || !lora_format_valid(b_fmt) || rank < 1 || rows < 1 ||
+        cols < 1 || !a || !b)
         return NULL;
     /* every byte count below must fit: keep each factor under 2^40 and the
      * products under 2^62 */
     const int64_t lim = (int64_t)1 << 40;
     if (rank > lim || rows > lim || cols > lim) return NULL;
-    const size_t isz = lora_dtype_size(dtype);
-    const int64_t lda = packed_ld_(cols, isz), ldb = packed_ld_(rows, isz);
-    if (rank > ((int64_t)1 << 62) / (lda > ldb ? lda : ldb) / 4) return NULL;
+    const int64_t longest = (cols > rows ? cols : rows) + 256;
+    if (rank > ((int64_t)1 << 62) / longest / 4) return NULL;
     lora_delta *d = (lora_delta *)calloc(1, sizeof *d);
     if (!d) return NULL;
-    d->dtype = dtype;
-    d->rank = rank, d->rows = rows, d->cols = cols, d->lda = lda, d->ldb = ldb;
+    d->rank = rank, d->rows = rows, d->cols = cols;
     d->owned = 1;
-    d->a = lora_aligned_alloc((size_t)(rank * lda) * isz);
-    d->bt = lora_aligned_alloc((size_t)(rank * ldb) * isz);
-    if (!d->a || !d->bt) {
+    if (alloc_factor_(&d->a, a_fmt, rank, cols) != LORA_OK ||
+        alloc_factor_(&d->bt, b_fmt, rank, rows) != LORA_OK) {
         lora_delta_free(d);
         return NULL;
     }
-    memset(d->a, 0, (size_t)(rank * lda) * isz);
-    memset(d->bt, 0, (size_t)(rank * ldb) * isz);
-    for (int64_t k = 0; k < rank; k++)
-        memcpy((char *)d->a + (size_t)(k * lda) * isz, (const char *)a + (size_t)(k * cols) * isz,
-               (size_t)cols * isz);
-    /* B [rows, rank] -> B^T [rank, ldb]: one unit-stride row per rank index, by element size */
-    if (isz == 4) {
-        const uint32_t *src = (const uint32_t *)b;
-        uint32_t *dst = (uint32_t *)d->bt;
-        for (int64_t i = 0; i < rows; i++)
-            for (int64_t k = 0; k < rank; k++) dst[k * ldb + i] = src[i * rank + k];
-    } else {
-        const uint16_t *src = (const uint16_t *)b;
-        uint16_t *dst = (uint16_t *)d->bt;
-        for (int64_t i = 0; i < rows; i++)
-            for (int64_t k = 0; k < rank; k++) dst[k * ldb + i] = src[i * rank + k];
-    }
+    pack_values_(&d->a, rank, cols, a, 0);
+    /* B [rows, rank] -> B^T [rank, ldb]: one unit-stride row per rank index */
+    pack_values_(&d->bt, rank, rows, b, 1);
     return d;
 }
 
-lora_delta *lora_delta_view(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
+lora_delta *lora_delta_view(int fmt, int64_t rank, int64_t rows, int64_t cols, const void *a,
                             int64_t lda, int a_by_row, const void *b, int64_t ldb, int b_by_row) {
-    if (!lora_dtype_valid(dtype) || rank < 1 || rows < 1 || cols < 1 ||
-        !a || !b)
+    if (!lora_format_valid(fmt) || lora_format_block(fmt) != 1 || rank < 1 || rows < 1 ||
+        cols < 1 || !a || !b)
         return NULL;
     /* each row must hold its values: A rows of cols (A^T rows of rank), B^T rows of rows (B
      * rows of rank) */
     if (lda < (a_by_row ? rank : cols) || ldb < (b_by_row ? rank : rows)) return NULL;
     lora_delta *d = (lora_delta *)calloc(1, sizeof *d);
     if (!d) return NULL;
-    d->dtype = dtype;
-    d->rank = rank, d->rows = rows, d->cols = cols, d->lda = lda, d->ldb = ldb;
-    d->a = (void *)a, d->bt = (void *)b;
-    d->a_by_row = a_by_row != 0, d->b_by_row = b_by_row != 0;
+    d->rank = rank, d->rows = rows, d->cols = cols;
+    d->a.v = (void *)a, d->a.ld = lda, d->a.fmt = fmt, d->a.by_row = a_by_row != 0;
+    d->bt.v = (void *)b, d->bt.ld = ldb, d->bt.fmt = fmt, d->bt.by_row = b_by_row != 0;
     d->owned = 0;
     return d;
 }
@@ -108,34 +133,34 @@ lora_delta *lora_delta_view(int dtype, int64_t rank, int64_t rows, int64_t cols,
 void lora_delta_free(lora_delta *d) {
     if (!d) return;
     if (d->owned) {
-        lora_aligned_free(d->a);
-        lora_aligned_free(d->bt);
+        free_factor_(&d->a);
+        free_factor_(&d->bt);
     }
     free(d);
 }
 
-void lora_delta_export(const lora_delta *d, void *a, void *b) {
-    const size_t isz = lora_dtype_size(d->dtype);
-    if (!d->owned) { /* a view: element by element, whatever its layout */
-        for (int64_t k = 0; k < d->rank; k++)
-            for (int64_t j = 0; j < d->cols; j++)
-                memcpy((char *)a + (size_t)(k * d->cols + j) * isz,
-                       (const char *)d->a + (size_t)(d->a_by_row ? j * d->lda + k : k * d->lda + j) * isz, isz);
-        for (int64_t i = 0; i < d->rows; i++)
-            for (int64_t k = 0; k < d->rank; k++)
-                memcpy((char *)b + (size_t)(i * d->rank + k) * isz,
-                       (const char *)d->bt + (size_t)(d->b_by_row ? i * d->ldb + k : k * d->ldb + i) * isz, isz);
-        return;
-    }
-    for (int64_t k = 0; k < d->rank; k++)
-        memcpy((char *)a + (size_t)(k * d->cols) * isz, (const char *)d->a + (size_t)(k * d->lda) * isz,
-               (size_t)d->cols * isz);
-    for (int64_t i = 0; i < d->rows; i++)
-        for (int64_t k = 0; k < d->rank; k++)
-            memcpy((char *)b + (size_t)(i * d->rank + k) * isz,
-                   (const char *)d->bt + (size_t)(k * d->ldb + i) * isz, isz);
+/* element (r, c) of a factor held as [n, len] rows (by_row: as [len, n]) into dst, one
+ * value of its format's value size */
+static void export_value_(const lora_factor *f, int64_t r, int64_t c, void *dst) {
+    const size_t isz = lora_format_value_size(f->fmt);
+    memcpy(dst, (const char *)f->v + (size_t)(f->by_row ? c * f->ld + r : r * f->ld + c) * isz, isz);
 }
 
+void lora_delta_export(const lora_delta *d, void *a, void *b) {
+    const size_t ia = lora_format_value_size(d->a.fmt), ib = lora_format_value_size(d->bt.fmt);
+    for (int64_t k = 0; k < d->rank; k++) {
+        if (!d->a.by_row) { /* a row of A is a run of values */
+            memcpy((char *)a + (size_t)(k * d->cols) * ia, (const char *)d->a.v + (size_t)(k * d->a.ld) * ia,
+                   (size_t)d->cols * ia);
+            continue;
+        }
+        for (int64_t j = 0; j < d->cols; j++)
+            export_value_(&d->a, k, j, (char *)a + (size_t)(k * d->cols + j) * ia);
+    }
+    for (int64_t i = 0; i < d->rows; i++)
+        for (int64_t k = 0; k < d->rank; k++)
+            export_value_(&d->bt, k, i, (char *)b + (size_t)(i * d->rank + k) * ib);
+}
 
 void lora_delta_dims(const lora_delta *d, int64_t *rank, int64_t *rows, int64_t *cols) {
     if (rank) *rank = d->rank;

@@ -30,10 +30,8 @@
 /* element (t, j) of P [r, k] and (i, t) of Q [n, r], from the delta's storage:
  * by_col 0: P = A, Q = B; by_col 1: P = B^T, Q = A^T */
 static double p_at_(const lora_delta *d, int by_col, int64_t t, int64_t j) {
-    if (!by_col) return d->a_by_row ? lora_load_f32(d->a, j * d->lda + t, d->dtype)
-                                    : lora_load_f32(d->a, t * d->lda + j, d->dtype);
-    return d->b_by_row ? lora_load_f32(d->bt, j * d->ldb + t, d->dtype)
-                       : lora_load_f32(d->bt, t * d->ldb + j, d->dtype);
+    const lora_factor *f = by_col ? &d->bt : &d->a;
+    return lora_run_load(lora_run_of(f), f->by_row ? j * f->ld + t : t * f->ld + j, f->fmt);
 }
 
 static double q_at_(const lora_delta *d, int by_col, int64_t i, int64_t t) {

@@ -1,6 +1,16 @@
 /*
- * kernels.h - what the drivers and the per-ISA kernel files share: the packed
- * delta, the two kernel shapes, and the table one ISA fills.
+ * kernels.h - what the plan's runner and the per-ISA kernel files share: the
+ * two registries (element dtypes, storage formats), the packed delta, the two
+ * kernel shapes, and the table one ISA fills.
+ *
+ * Element dtypes (LORA_DTYPES) are what x, out and merge targets are: f32,
+ * f16, bf16.  Storage formats (LORA_FORMATS) are how a delta's factors sit in
+ * memory: each is described by its values per block, its bytes per block and
+ * the C type of one stored value, and read by the kernels through one helper
+ * per ISA that loads a run of values as float32.  An element format (one
+ * value a block) is its dtype stored as it is, under the same code; a block
+ * format keeps a float16 scale per block of values beside them (lora_run.d).
+ * A delta's A and B each have a format of their own.
  *
  * Packed storage (chosen at construction, see delta.c):
  *   a  = lora_a [rank, lda]  row-major, lda  = cols rounded up to 32, zero pad
@@ -10,12 +20,14 @@
  * so both hot loops stream unit-stride rows of 64-byte aligned memory: the
  * projection reads rows of A against x, the accumulation reads rows of B^T
  * (one per rank index) into a strip of outputs, and the token gather reads
- * rows of A into a strip of the embedding row.
+ * rows of A into a strip of the embedding row.  Row lengths are multiples of
+ * 32 values, so a block format's blocks (32 values or fewer, dividing 32)
+ * never straddle two rows: value e of a factor has scale d[e / block].
  *
  * The two kernel shapes every ISA provides:
  *   project:    t[b*ldt + k] = sum_j A[k, j] * x_b[j]          k in [k0, k1)
- *               for A in storage dtype st and x_b in activation dtype xt
- *               (widened in registers; compute float32)
+ *               for A in storage format fa and x_b in activation dtype xt
+ *               (both loaded as float32 in registers; compute float32)
  *   accumulate: out_b[i] += s_{q,b} * sum_k M_q[k, i] * u_q[b*ldu + k]
  *               for every term q in order, i in [i0, i1)
  *               (M = B^T for the B.y step, M = A for the gather; the scale
@@ -36,12 +48,16 @@
  * alone (its header says which) and never depends on nb, on [k0, k1), on
  * [i0, i1) or on the dtypes of x and out: this is what makes every result
  * batch- and thread-invariant, and a half-precision out exactly the rounding
- * of what a float32 out would hold.
+ * of what a float32 out would hold.  A format whose values load exactly as
+ * float32 (every format here) is summed in float32's order unless the ISA
+ * names it in its own_order mask, so its bits are those of a float32 factor
+ * holding the same values.
  *
  * The kernel table.  An ISA file defines, inside its target region, these
- * static inline helpers (dt, xt, ot: compile-time LORA_DTYPE_* constants):
- *   project_(a, lda, cols, k0, k1, nb, xs, t, ldt, dt, xt)
- *   accumulate_(terms, n_terms, i0, i1, nb, outs, ot)
+ * static inline helpers (f: a compile-time LORA_FMT_*; xt, ot: LORA_DTYPE_*):
+ *   project_(a, lda, cols, k0, k1, nb, xs, t, ldt, f, xt)
+ *   accumulate_(terms, n_terms, i0, i1, nb, outs, obase, ot)
+ *   load_run_(r, e, n, dst, f)   values e .. e + n of a factor as float32, exact
  *   widen_(src, n, dst, dt)       dt -> float32, exact    (dt, ot: not float32,
  *   narrow_(src, n, dst, ot)      float32 -> ot, nearest even  whose table entries copy)
  *   read_(buf, n)                 the benchmark's bandwidth probe
@@ -56,14 +72,17 @@
  *   kernels_pairs.h   project_ and term_: positions in pairs  (NEON)
  *   kernels_quads.h   term_: up to LORA_NB positions a tile   (AVX2, AVX-512)
  * while the tiles, their widths, loads and horizontal sums stay in the ISA
- * file, so a reader of one file sees the instructions it runs.
- * and then one line, LORA_KERNEL_TABLE(isa, own_order), which generates, for
- * every dtype <dt> of LORA_DTYPES (f32, f16, bf16), the entry points (this
- * comment is where `grep` for their names should land):
- *   lora_project_<dt>_<isa>      storage dtype dt; the x dtype is an argument,
- *                                switched on once per call, each case a
- *                                project_ compiled for that (dt, xt) pair
- *   lora_accumulate_<dt>_<isa>   out dtype dt
+ * file, so a reader of one file sees the instructions it runs.  An ISA file's
+ * own static helpers are named <op>_<shape>_<isa>_ (project_rows_avx2_,
+ * term_tile_avx512_): the op, the tile they compute, the ISA.
+ * and then one line, LORA_KERNEL_TABLE(isa, own_order), which generates the
+ * entry points (this comment is where `grep` for their names should land):
+ *   lora_project_<fmt>_<isa>     storage format fmt (LORA_FORMATS); the x
+ *                                dtype is an argument, switched on once per
+ *                                call, each case a project_ compiled for that
+ *                                (fmt, xt) pair
+ *   lora_load_<fmt>_<isa>        a run of a factor's values as float32
+ *   lora_accumulate_<dt>_<isa>   out dtype dt (LORA_DTYPES)
  *   lora_widen_<dt>_<isa>, lora_narrow_<dt>_<isa>
  *   lora_merge_row_<isa>         (portable C, kernels_merge.h)
  *   lora_read_<isa>, lora_peak_<isa>
@@ -142,6 +161,76 @@ static inline size_t lora_dtype_size(int dtype) {
     return 0;
 }
 
+/* ------------------------------------------------------- the format registry
+ * Every storage format of a delta's factors, once: its lora.h code, its short
+ * name (the suffix of the entry points), its values per block, its bytes per
+ * block (a block format's scale included) and the C type of one stored value;
+ * X(A, code, name, block, block_bytes, value_type), A passed through.  Every
+ * kernel table entry and switch over formats derives from this list; the
+ * places that handle each format by hand (an ISA file's run loaders, delta.c's
+ * packing) say LORA_FORMATS_HANDLED(n, where), so a new format stops the
+ * build at each of them until it learns it (ggml's type traits are the model).
+ * An element format has block 1 and the code of its dtype (checked below),
+ * which lets a kernel load x and a factor with one vocabulary. */
+#define LORA_FORMATS(X, A)                                                                      \
+    X(A, LORA_FMT_F32, f32, 1, 4, float)                                                       \
+    X(A, LORA_FMT_F16, f16, 1, 2, uint16_t)                                                    \
+    X(A, LORA_FMT_BF16, bf16, 1, 2, uint16_t)
+
+#define LORA_FORMATS_HANDLED(n, where) LORA_STATIC_ASSERT((n) == LORA_FMT_COUNT, where)
+
+#define LORA_FMT_POS_(A, CODE, NAME, BLOCK, BYTES, VALUE) lora_fmt_pos_##NAME##_,
+enum { LORA_FORMATS(LORA_FMT_POS_, ) lora_fmt_listed_ };
+#undef LORA_FMT_POS_
+LORA_STATIC_ASSERT(lora_fmt_listed_ == LORA_FMT_COUNT, format_count_is_the_registry_length);
+/* the codes in order; the block divides 32 (the packed row length's unit); an element
+ * format's block is its one value */
+#define LORA_FMT_CHECK_(A, CODE, NAME, BLOCK, BYTES, VALUE)                                     \
+    LORA_STATIC_ASSERT(CODE == lora_fmt_pos_##NAME##_, format_code_of_##NAME);                 \
+    LORA_STATIC_ASSERT(32 % (BLOCK) == 0, format_block_divides_32_##NAME);                     \
+    LORA_STATIC_ASSERT((BLOCK) > 1 || (BYTES) == sizeof(VALUE), format_element_size_##NAME);   \
+    LORA_STATIC_ASSERT((BLOCK) == 1 || (BYTES) == (BLOCK) * sizeof(VALUE) + 2,                 \
+                       format_block_is_values_and_a_float16_scale_##NAME);
+LORA_FORMATS(LORA_FMT_CHECK_, )
+#undef LORA_FMT_CHECK_
+/* the element formats are their dtypes, code for code */
+LORA_STATIC_ASSERT(LORA_FMT_F32 == LORA_DTYPE_F32 && LORA_FMT_F16 == LORA_DTYPE_F16 &&
+                       LORA_FMT_BF16 == LORA_DTYPE_BF16, element_formats_share_dtype_codes);
+
+static inline int lora_format_valid(int fmt) { return fmt >= 0 && fmt < LORA_FMT_COUNT; }
+
+/* values per block (1 for an element format; 0 for a code that is not a format) */
+static inline int64_t lora_format_block(int fmt) {
+    switch (fmt) {
+#define LORA_FMT_BLOCK_(A, CODE, NAME, BLOCK, BYTES, VALUE) case CODE: return BLOCK;
+    LORA_FORMATS(LORA_FMT_BLOCK_, )
+#undef LORA_FMT_BLOCK_
+    }
+    return 0;
+}
+
+/* bytes of one stored value (the values array; a block format's scales apart) */
+static inline size_t lora_format_value_size(int fmt) {
+    switch (fmt) {
+#define LORA_FMT_VALUE_(A, CODE, NAME, BLOCK, BYTES, VALUE) case CODE: return sizeof(VALUE);
+    LORA_FORMATS(LORA_FMT_VALUE_, )
+#undef LORA_FMT_VALUE_
+    }
+    return 0;
+}
+
+/* the logical bytes of n values (a row) in a format: whole blocks, a short last block
+ * counted as a block of its values and its scale */
+static inline int64_t lora_format_bytes(int fmt, int64_t n) {
+    switch (fmt) {
+#define LORA_FMT_BYTES_(A, CODE, NAME, BLOCK, BYTES, VALUE)                                     \
+    case CODE: return (BLOCK) == 1 ? n * (BYTES) : n * (int64_t)sizeof(VALUE) + 2 * ((n + (BLOCK) - 1) / (BLOCK));
+    LORA_FORMATS(LORA_FMT_BYTES_, )
+#undef LORA_FMT_BYTES_
+    }
+    return 0;
+}
+
 /* A point no valid input reaches: a switch over the registry's codes after
  * the code was checked (lora_dtype_valid at the entry point or when the delta
  * was made).  It tells the compiler the switch is total, so it is compiled as
@@ -187,21 +276,40 @@ static inline size_t lora_dtype_size(int dtype) {
 /* a decode's (one position's) strip: 4 KiB of float32 outputs */
 #define LORA_DECODE_STRIP 1024
 
+/* a factor's values as the kernels address them: value e is v[e] (an element
+ * format) or v[e] * d[e / block] (a block format, d its float16 scales) */
+typedef struct {
+    const void *v;
+    const uint16_t *d;
+} lora_run;
+
+/* one factor of a delta: rows of ld values in format fmt */
+typedef struct {
+    void *v;               /* the values, [n, ld] of the format's value type */
+    uint16_t *d;           /* a block format's scales, [n * ld / block]; NULL otherwise */
+    int64_t ld;            /* values per row (a multiple of 32 for a block format) */
+    int fmt;               /* LORA_FMT_* */
+    int by_row;            /* held the other way (a view's A^T or B, see lora_delta) */
+} lora_factor;
+
+static inline lora_run lora_run_of(const lora_factor *f) {
+    lora_run r;
+    r.v = f->v, r.d = f->d;
+    return r;
+}
+
 struct lora_delta {
-    int dtype;
     int64_t rank, rows, cols;
-    int64_t lda, ldb;      /* elements per row of a / bt */
-    void *a;               /* [rank, lda]; a_by_row: A^T [cols, lda] */
-    void *bt;              /* [rank, ldb]; b_by_row: B [rows, ldb] */
-    int a_by_row, b_by_row;
+    lora_factor a;         /* A [rank, a.ld]; a.by_row: A^T [cols, a.ld] */
+    lora_factor bt;        /* B^T [rank, bt.ld]; bt.by_row: B [rows, bt.ld] */
     int owned;             /* a and bt are this delta's own packed copies (else the caller's) */
 };
 
 /* one term of an accumulate: a stack member's M, its u, its scales */
 typedef struct {
-    const void *m;         /* M [kdim, ldm] (by_row: M^T [outputs, ldm]), storage dtype `dtype` */
+    lora_run m;            /* M [kdim, ldm] (by_row: M^T [outputs, ldm]), storage format `fmt` */
     int64_t ldm, kdim;
-    int dtype;
+    int fmt;
     int by_row;            /* M held by output: element (k, i) at m[i * ldm + k] */
     const float *u;        /* u[b*ldu + k] */
     int64_t ldu;
@@ -216,11 +324,14 @@ typedef struct {
 } lora_term;
 
 /* t[b*ldt + k] for k in [k0, k1), b < nb: x_b = xs[b] in dtype xt (see the top) */
-typedef void (*lora_project_fn)(const void *a, int64_t lda, int64_t cols, int64_t k0,
-                                int64_t k1, int nb, const void *const *xs, int xt, float *t,
-                                int64_t ldt);
+typedef void (*lora_project_fn)(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                                int nb, const void *const *xs, int xt, float *t, int64_t ldt);
+/* the terms into outputs [i0, i1) of nb positions, output i of position b at
+ * outs[b] + (i - obase) elements */
 typedef void (*lora_accumulate_fn)(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
-                                   int nb, void *const *outs);
+                                   int nb, void *const *outs, int64_t obase);
+/* dst[k] = value e + k of a factor as float32 for k < n (exact) */
+typedef void (*lora_load_fn)(lora_run r, int64_t e, int64_t n, float *dst);
 typedef double (*lora_read_fn)(const float *buf, int64_t n);
 /* n steps of independent FMA chains, no memory; *flops = the float32 flops done */
 typedef double (*lora_peak_fn)(int64_t n, int64_t *flops);
@@ -236,16 +347,17 @@ typedef void (*lora_merge_row_fn)(const double *b, int64_t rank, const double *a
 
 typedef struct {
     const char *name;
-    lora_project_fn project[LORA_DTYPE_COUNT];        /* [storage dtype]; the x dtype an argument */
+    lora_project_fn project[LORA_FMT_COUNT];          /* [A's format]; the x dtype an argument */
+    lora_load_fn load[LORA_FMT_COUNT];                /* [format] */
     lora_accumulate_fn accumulate[LORA_DTYPE_COUNT];  /* [out dtype] */
     lora_widen_fn widen[LORA_DTYPE_COUNT];            /* [dtype] */
     lora_narrow_fn narrow[LORA_DTYPE_COUNT];          /* [dtype] */
     lora_merge_row_fn merge_row;
     lora_read_fn read;
     lora_peak_fn peak;
-    /* bit 1 << dtype: this ISA sums that storage dtype in another order than
+    /* bit 1 << format: this ISA sums that storage format in another order than
      * float32, so a float32 copy would change the bits (the own_order argument
-     * of LORA_KERNEL_TABLE; the drivers never widen such a delta: LORA_WIDEN_MIN) */
+     * of LORA_KERNEL_TABLE; the plan never widens such a factor: LORA_WIDEN_MIN) */
     unsigned own_order;
 } lora_kernel_table;
 
@@ -260,23 +372,28 @@ extern const lora_kernel_table lora_kernels_neon;
 
 /* The entry points and the table of one ISA, from its static inline helpers
  * (see the comment at the top).  Expanded inside the ISA's target region.
- * The x dtype of project is a switch over the registry in one inlined helper
- * per ISA (the C preprocessor cannot expand one list inside itself, so the
- * storage x x product is a list of functions times a switch), each case a
- * project_ compiled for its (storage, x) pair. */
-#define LORA_PROJECT_CASE_(DT, XT, XNAME, XBYTES, XBITS)                                        \
-    case XT: project_(a, lda, cols, k0, k1, nb, xs, t, ldt, DT, XT); break;
-#define LORA_PROJECT_FN_(ISA, DT, NAME, BYTES, BITS)                                            \
-    static void lora_project_##NAME##_##ISA(const void *a, int64_t lda, int64_t cols,          \
-                                            int64_t k0, int64_t k1, int nb,                    \
-                                            const void *const *xs, int xt, float *t,           \
-                                            int64_t ldt) {                                     \
-        lora_project_x_##ISA(a, lda, cols, k0, k1, nb, xs, xt, t, ldt, DT);                    \
+ * The x dtype of project is a switch over the dtype registry in one inlined
+ * helper per ISA (the C preprocessor cannot expand one list inside itself,
+ * so the format x dtype product is a list of functions times a switch), each
+ * case a project_ compiled for its (format, x dtype) pair. */
+#define LORA_PROJECT_CASE_(FMT, XT, XNAME, XBYTES, XBITS)                                       \
+    case XT: project_(a, lda, cols, k0, k1, nb, xs, t, ldt, FMT, XT); break;
+#define LORA_PROJECT_FN_(ISA, FMT, NAME, BLOCK, BYTES, VALUE)                                   \
+    static void lora_project_##NAME##_##ISA(lora_run a, int64_t lda, int64_t cols, int64_t k0, \
+                                            int64_t k1, int nb, const void *const *xs, int xt, \
+                                            float *t, int64_t ldt) {                           \
+        lora_project_x_##ISA(a, lda, cols, k0, k1, nb, xs, xt, t, ldt, FMT);                   \
+    }
+#define LORA_LOAD_FN_(ISA, FMT, NAME, BLOCK, BYTES, VALUE)                                      \
+    static void lora_load_##NAME##_##ISA(lora_run r, int64_t e, int64_t n, float *dst) {       \
+        if (FMT == LORA_FMT_F32) memcpy(dst, (const float *)r.v + e, (size_t)n * sizeof(float)); \
+        else load_run_(r, e, n, dst, FMT);                                                     \
     }
 #define LORA_ACCUMULATE_FN_(ISA, OT, NAME, BYTES, BITS)                                         \
     static void lora_accumulate_##NAME##_##ISA(const lora_term *terms, int n_terms, int64_t i0, \
-                                               int64_t i1, int nb, void *const *outs) {        \
-        accumulate_(terms, n_terms, i0, i1, nb, outs, OT);                                     \
+                                               int64_t i1, int nb, void *const *outs,          \
+                                               int64_t obase) {                                \
+        accumulate_(terms, n_terms, i0, i1, nb, outs, obase, OT);                              \
     }
 /* float32 widens and narrows by a copy, the same on every ISA: the ISA's
  * widen_ and narrow_ see the other dtypes only */
@@ -291,7 +408,8 @@ extern const lora_kernel_table lora_kernels_neon;
         else narrow_(src, n, dst, OT);                                                         \
     }
 /* designated initializers of the tables: [code] = lora_<family>_<name>_<isa> */
-#define LORA_PROJECT_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_project_##NAME##_##ISA,
+#define LORA_PROJECT_AT_(ISA, CODE, NAME, BLOCK, BYTES, VALUE) [CODE] = lora_project_##NAME##_##ISA,
+#define LORA_LOAD_AT_(ISA, CODE, NAME, BLOCK, BYTES, VALUE) [CODE] = lora_load_##NAME##_##ISA,
 #define LORA_ACCUMULATE_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_accumulate_##NAME##_##ISA,
 #define LORA_WIDEN_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_widen_##NAME##_##ISA,
 #define LORA_NARROW_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_narrow_##NAME##_##ISA,
@@ -302,15 +420,16 @@ extern const lora_kernel_table lora_kernels_neon;
                                      int64_t lda, int64_t n, double s, double *acc) {          \
         merge_row_(b, rank, a, lda, n, s, acc);                                                \
     }
-/* OWN_ORDER: the storage dtypes this ISA sums in an order of its own, as a
- * mask of 1u << LORA_DTYPE_* (0u: none); see lora_kernel_table.own_order. */
+/* OWN_ORDER: the storage formats this ISA sums in an order of its own, as a
+ * mask of 1u << LORA_FMT_* (0u: none); see lora_kernel_table.own_order. */
 #define LORA_KERNEL_TABLE(ISA, OWN_ORDER)                                                       \
-    LORA_INLINE void lora_project_x_##ISA(const void *a, int64_t lda, int64_t cols, int64_t k0, \
+    LORA_INLINE void lora_project_x_##ISA(lora_run a, int64_t lda, int64_t cols, int64_t k0,    \
                                           int64_t k1, int nb, const void *const *xs, int xt,   \
-                                          float *t, int64_t ldt, const int dt) {               \
-        switch (xt) { LORA_DTYPES(LORA_PROJECT_CASE_, dt) }                                    \
+                                          float *t, int64_t ldt, const int fmt) {              \
+        switch (xt) { LORA_DTYPES(LORA_PROJECT_CASE_, fmt) }                                   \
     }                                                                                          \
-    LORA_DTYPES(LORA_PROJECT_FN_, ISA)                                                         \
+    LORA_FORMATS(LORA_PROJECT_FN_, ISA)                                                        \
+    LORA_FORMATS(LORA_LOAD_FN_, ISA)                                                           \
     LORA_DTYPES(LORA_ACCUMULATE_FN_, ISA)                                                      \
     LORA_DTYPES(LORA_WIDEN_FN_, ISA)                                                           \
     LORA_DTYPES(LORA_NARROW_FN_, ISA)                                                          \
@@ -319,7 +438,8 @@ extern const lora_kernel_table lora_kernels_neon;
     static double lora_peak_##ISA(int64_t n, int64_t *flops) { return peak_(n, flops); }       \
     const lora_kernel_table lora_kernels_##ISA = {                                             \
         #ISA,                                                                                  \
-        {LORA_DTYPES(LORA_PROJECT_AT_, ISA)},                                                  \
+        {LORA_FORMATS(LORA_PROJECT_AT_, ISA)},                                                 \
+        {LORA_FORMATS(LORA_LOAD_AT_, ISA)},                                                    \
         {LORA_DTYPES(LORA_ACCUMULATE_AT_, ISA)},                                               \
         {LORA_DTYPES(LORA_WIDEN_AT_, ISA)},                                                    \
         {LORA_DTYPES(LORA_NARROW_AT_, ISA)},                                                   \
@@ -408,6 +528,19 @@ static inline void lora_store_f32(void *p, int64_t i, float v, int dtype) {
     LORA_DTYPES(LORA_STORE_IF_, )
 #undef LORA_STORE_IF_
     LORA_UNREACHABLE();
+}
+
+/* value e of a factor run in format fmt, as float32 (exact): the portable
+ * reader for code off the hot vector loops (statistics, the gather's rows of
+ * B, exports); one case per registry format, the code checked first */
+LORA_FORMATS_HANDLED(3, lora_run_load_knows_f32_f16_bf16);
+static inline float lora_run_load(lora_run r, int64_t e, int fmt) {
+    switch (fmt) {
+    case LORA_FMT_F32: case LORA_FMT_F16: case LORA_FMT_BF16:
+        return lora_load_f32(r.v, e, fmt); /* an element format: its dtype's value */
+    }
+    LORA_UNREACHABLE();
+    return 0.0f;
 }
 
 #endif /* LORA_KERNELS_H */

@@ -69,6 +69,10 @@ INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
     return lora_bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
+/* value e of a factor run in storage format f (an element format: its dtype's value) */
+LORA_FORMATS_HANDLED(3, avx2_run_loads_know_f32_f16_bf16);
+INLINE_ float run_f32_(lora_run r, int64_t e, const int f) { return load_f32_(r.v, e, f); }
+
 INLINE_ float hsum_f32x8_(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -105,10 +109,19 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 
 #include "kernels_tails.h"
 
+/* A run of a factor's values as float32 (exact): 8 of them, and the table's
+ * loader (load_f32_, run_f32_ for one).  The one place this file reads a
+ * storage format; an element format is its dtype's values. */
+INLINE_ __m256 run_f32x8_(lora_run r, int64_t e, const int f) { return load_f32x8_(r.v, e, f); }
+
+INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
+    widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+}
+
 /* A decode (one position): nr ranks (k .. k+nr) over whole rows, nr <= 8 independent chains
  * (what two FMA ports of latency 4 need in flight) + the x vector + 1 A vector */
-INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
-                           const void *x, float *t, const int dt, const int xt) {
+INLINE_ void project_tile_(lora_run a, int64_t lda, int64_t cols, int64_t k, const int nr,
+                           const void *x, float *t, const int f, const int xt) {
     float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* the finished column blocks' sums */
     const int64_t body = cols & ~(int64_t)7;
     for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) {
@@ -119,7 +132,7 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, 
             const __m256 x_f32x8 = load_f32x8_(x, j, xt);
             for (int r = 0; r < nr; r++)
                 acc_f32x8[r] =
-                    _mm256_fmadd_ps(load_f32x8_(a, (k + r) * lda + j, dt), x_f32x8, acc_f32x8[r]);
+                    _mm256_fmadd_ps(run_f32x8_(a, (k + r) * lda + j, f), x_f32x8, acc_f32x8[r]);
         }
         for (int r = 0; r < nr; r++) {
             const float block = hsum_f32x8_(acc_f32x8[r]);
@@ -127,17 +140,17 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, 
         }
     }
     for (int r = 0; r < nr; r++) {
-        const float tail = fma_tail_(a, (k + r) * lda + body, dt, x, body, xt, cols - body);
+        const float tail = fma_tail_(a, (k + r) * lda + body, f, x, body, xt, cols - body);
         t[k + r] = sum[r] + tail;
     }
 }
 
 /* ranks [k0, k1) of one position: tiles of 8 ranks, then one rank at a time */
-INLINE_ void project_decode_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                             const void *x, float *t, const int dt, const int xt) {
+INLINE_ void project_decode_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                             const void *x, float *t, const int f, const int xt) {
     int64_t k = k0;
-    for (; k + 8 <= k1; k += 8) project_tile_(a, lda, cols, k, 8, x, t, dt, xt);
-    for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, x, t, dt, xt);
+    for (; k + 8 <= k1; k += 8) project_tile_(a, lda, cols, k, 8, x, t, f, xt);
+    for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, x, t, f, xt);
 }
 
 /* A batch (nb >= 2 positions) walks the columns in chunks of CHUNK_, and
@@ -155,15 +168,15 @@ INLINE_ void project_decode_(const void *a, int64_t lda, int64_t cols, int64_t k
 
 /* nr ranks (k .. k+nr) x nb positions over columns [j0, j1) (whole vectors);
  * the chains in state[r * nb + b] */
-INLINE_ void project_chunk_(const void *a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
+INLINE_ void project_chunk_(lora_run a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
                             const int nr, const int nb, const void *const *xs, __m256 *state,
-                            const int dt, const int xt) {
+                            const int f, const int xt) {
     __m256 acc_f32x8[12];
     for (int i = 0; i < nr * nb; i++) acc_f32x8[i] = state[i];
     for (int64_t j = j0; j < j1; j += 8) {
         if (nb == 4) {  /* the nr A vectors in registers, one x at a time */
             __m256 a_f32x8[3];
-            for (int r = 0; r < nr; r++) a_f32x8[r] = load_f32x8_(a, (k + r) * lda + j, dt);
+            for (int r = 0; r < nr; r++) a_f32x8[r] = run_f32x8_(a, (k + r) * lda + j, f);
             for (int b = 0; b < nb; b++) {
                 const __m256 x_f32x8 = load_f32x8_(xs[b], j, xt);
                 for (int r = 0; r < nr; r++)
@@ -173,7 +186,7 @@ INLINE_ void project_chunk_(const void *a, int64_t lda, int64_t k, int64_t j0, i
             __m256 x_f32x8[3];
             for (int b = 0; b < nb; b++) x_f32x8[b] = load_f32x8_(xs[b], j, xt);
             for (int r = 0; r < nr; r++) {
-                const __m256 a_f32x8 = load_f32x8_(a, (k + r) * lda + j, dt);
+                const __m256 a_f32x8 = run_f32x8_(a, (k + r) * lda + j, f);
                 for (int b = 0; b < nb; b++)
                     acc_f32x8[r * nb + b] = _mm256_fmadd_ps(a_f32x8, x_f32x8[b], acc_f32x8[r * nb + b]);
             }
@@ -185,23 +198,23 @@ INLINE_ void project_chunk_(const void *a, int64_t lda, int64_t k, int64_t j0, i
 /* ranks kg .. kg+kn over the whole-vector columns [j0, j1), in chunks of CHUNK_.  Called from
  * one place only: a second inlined copy (a separate loop for one-block rows) made GCC keep the
  * tile's chains in memory, 10 % more instructions on a 512-position prefill (callgrind) */
-INLINE_ void project_span_(const void *a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
+INLINE_ void project_span_(lora_run a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
                            const int nr, const int nb, const void *const *xs, __m256 *state,
-                           const int dt, const int xt) {
+                           const int f, const int xt) {
     for (int64_t c0 = j0; c0 < j1; c0 += CHUNK_) {
         const int64_t c1 = c0 + CHUNK_ < j1 ? c0 + CHUNK_ : j1;
         int k = 0;
         for (; k + nr <= kn; k += nr)
-            project_chunk_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, dt, xt);
+            project_chunk_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, f, xt);
         for (; k + 2 <= kn; k += 2)
-            project_chunk_(a, lda, kg + k, c0, c1, 2, nb, xs, state + k * nb, dt, xt);
-        for (; k < kn; k++) project_chunk_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, dt, xt);
+            project_chunk_(a, lda, kg + k, c0, c1, 2, nb, xs, state + k * nb, f, xt);
+        for (; k < kn; k++) project_chunk_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, f, xt);
     }
 }
 
-INLINE_ void project_batch_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+INLINE_ void project_batch_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                             const int nb, const void *const *xs, float *t, int64_t ldt,
-                            const int dt, const int xt) {
+                            const int f, const int xt) {
     const int nr = nb == 2 ? 6 : nb == 3 ? 4 : 3;
     const int64_t body = cols & ~(int64_t)7;
     __m256 state[KGROUP_ * LORA_NB]; /* the current column block's chains */
@@ -211,7 +224,7 @@ INLINE_ void project_batch_(const void *a, int64_t lda, int64_t cols, int64_t k0
         int blocks = 0; /* column blocks (LORA_JBLOCK) finished: their sums are in t */
         for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) { /* one call site: see above */
             const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
-            project_span_(a, lda, kg, kn, jb, je, nr, nb, xs, state, dt, xt);
+            project_span_(a, lda, kg, kn, jb, je, nr, nb, xs, state, f, xt);
             if (je < body) { /* a block ends and another follows: its sum joins t */
                 for (int k = 0; k < kn; k++)
                     for (int b = 0; b < nb; b++) {
@@ -225,30 +238,30 @@ INLINE_ void project_batch_(const void *a, int64_t lda, int64_t cols, int64_t k0
         }
         for (int k = 0; k < kn; k++)
             for (int b = 0; b < nb; b++) {
-                const float tail = fma_tail_(a, (kg + k) * lda + body, dt, xs[b], body, xt, cols - body);
+                const float tail = fma_tail_(a, (kg + k) * lda + body, f, xs[b], body, xt, cols - body);
                 const float sum = hsum_f32x8_(state[k * nb + b]);
                 t[b * ldt + kg + k] = (blocks ? t[b * ldt + kg + k] + sum : sum) + tail;
             }
     }
 }
 
-INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                      int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
+INLINE_ void project_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                      int nb, const void *const *xs, float *t, int64_t ldt, const int f,
                       const int xt) {
     switch (nb) {  /* a constant nb keeps every chain of a tile in a register */
-    case 1: project_decode_(a, lda, cols, k0, k1, xs[0], t, dt, xt); break;
-    case 2: project_batch_(a, lda, cols, k0, k1, 2, xs, t, ldt, dt, xt); break;
-    case 3: project_batch_(a, lda, cols, k0, k1, 3, xs, t, ldt, dt, xt); break;
-    default: project_batch_(a, lda, cols, k0, k1, 4, xs, t, ldt, dt, xt); break;
+    case 1: project_decode_(a, lda, cols, k0, k1, xs[0], t, f, xt); break;
+    case 2: project_batch_(a, lda, cols, k0, k1, 2, xs, t, ldt, f, xt); break;
+    case 3: project_batch_(a, lda, cols, k0, k1, 3, xs, t, ldt, f, xt); break;
+    default: project_batch_(a, lda, cols, k0, k1, 4, xs, t, ldt, f, xt); break;
     }
 }
 
 /* outputs i .. i + 8*nv of nb positions, nv * nb <= 8 block chains (8 in flight for two
  * FMA ports of latency 4; an M load serves nb positions), their running totals (touched
  * once per LORA_KBLOCK FMAs, so a spill of them is cheap) and the operands */
-INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+INLINE_ void term_tile_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                         const int nb, const float *u, int64_t ldu, const float *scale,
-                        float *const *outs, int64_t obase, const int dt) {
+                        float *const *outs, int64_t obase, const int f) {
     __m256 total_f32x8[4][LORA_NB] = {{_mm256_setzero_ps()}}, block_f32x8[4][LORA_NB];
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
@@ -256,7 +269,7 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
             for (int b = 0; b < nb; b++) block_f32x8[v][b] = _mm256_setzero_ps();
         for (int64_t k = k0; k < k1; k++) {
             __m256 m_f32x8[4];
-            for (int v = 0; v < nv; v++) m_f32x8[v] = load_f32x8_(m, k * ldm + i + 8 * v, dt);
+            for (int v = 0; v < nv; v++) m_f32x8[v] = run_f32x8_(m, k * ldm + i + 8 * v, f);
             for (int b = 0; b < nb; b++) {
                 const __m256 u_f32x8 = _mm256_broadcast_ss(u + b * ldu + k);
                 for (int v = 0; v < nv; v++)
@@ -282,9 +295,9 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
  * float32 M row), their whole chain over the rank before the next: the
  * blocked chains of term_tile_ (kn a constant where it can be, see
  * term_decode_), the totals in registers, then out = fma(total, s, out). */
-INLINE_ void decode_vecs_(const void *m, int64_t ldm, int64_t kdim, const int kn, int64_t i,
+INLINE_ void decode_vecs_(lora_run m, int64_t ldm, int64_t kdim, const int kn, int64_t i,
                           const int nv, const float *u, float s, float *out, int64_t obase,
-                          const int dt) {
+                          const int f) {
     __m256 total_f32x8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int n = kn ? kn : (int)(kdim - k0 < LORA_KBLOCK ? kdim - k0 : LORA_KBLOCK);
@@ -292,7 +305,7 @@ INLINE_ void decode_vecs_(const void *m, int64_t ldm, int64_t kdim, const int kn
         for (int k = 0; k < n; k++) {
             const __m256 u_f32x8 = _mm256_broadcast_ss(u + k0 + k);
             for (int v = 0; v < nv; v++)
-                block_f32x8[v] = _mm256_fmadd_ps(load_f32x8_(m, (k0 + k) * ldm + i + 8 * v, dt), u_f32x8,
+                block_f32x8[v] = _mm256_fmadd_ps(run_f32x8_(m, (k0 + k) * ldm + i + 8 * v, f), u_f32x8,
                                                  block_f32x8[v]);
         }
         for (int v = 0; v < nv; v++)
@@ -312,40 +325,40 @@ INLINE_ void decode_vecs_(const void *m, int64_t ldm, int64_t kdim, const int kn
  * "The decode accumulate").  A rank of 16 (or 8) is one block of a constant
  * length, so each M load is its own instruction stepping one line at a time.
  * The arithmetic is term_tile_'s; the last outputs, term_lanes_'s. */
-INLINE_ void term_decode_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+INLINE_ void term_decode_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                           const float *u, const float *scale, float *const *outs, int64_t obase,
-                          const int dt) {
+                          const int f) {
     const float s = scale[0];
     if (s == 0.0f) return; /* as term_tile_: a zero scale writes nothing */
     float *out = outs[0];
     int64_t i = i0;
     if (kdim == 16) {
-        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, 16, 16, i, 2, u, s, out, obase, dt);
+        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, 16, 16, i, 2, u, s, out, obase, f);
     } else if (kdim == 8) {
-        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, 8, 8, i, 2, u, s, out, obase, dt);
+        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, 8, 8, i, 2, u, s, out, obase, f);
     } else {
-        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, kdim, 0, i, 2, u, s, out, obase, dt);
+        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, kdim, 0, i, 2, u, s, out, obase, f);
     }
-    for (; i + 8 <= i1; i += 8) decode_vecs_(m, ldm, kdim, 0, i, 1, u, s, out, obase, dt);
-    term_lanes_(m, ldm, kdim, i, i1, 1, u, 1, scale, outs, obase, dt);
+    for (; i + 8 <= i1; i += 8) decode_vecs_(m, ldm, kdim, 0, i, 1, u, s, out, obase, f);
+    term_lanes_(m, ldm, kdim, i, i1, 1, u, 1, scale, outs, obase, f);
 }
 
 /* one term over outputs [i0, i1) of nb positions; output i lives at
  * outs[b][i - obase] */
-INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                       const int nb, const float *u, int64_t ldu, const float *scale,
-                      float *const *outs, int64_t obase, const int dt) {
+                      float *const *outs, int64_t obase, const int f) {
     if (nb == 1) {
-        term_decode_(m, ldm, kdim, i0, i1, u, scale, outs, obase, dt);
+        term_decode_(m, ldm, kdim, i0, i1, u, scale, outs, obase, f);
         return;
     }
     const int nv = nb <= 2 ? 4 : 2;
     int64_t i = i0;
     for (; i + 8 * nv <= i1; i += 8 * nv)
-        term_tile_(m, ldm, kdim, i, nv, nb, u, ldu, scale, outs, obase, dt);
-    for (; i + 8 <= i1; i += 8) term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, dt);
+        term_tile_(m, ldm, kdim, i, nv, nb, u, ldu, scale, outs, obase, f);
+    for (; i + 8 <= i1; i += 8) term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, f);
     /* the same blocked chains, one lane at a time */
-    term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, dt);
+    term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, f);
 }
 
 #include "kernels_quads.h"
@@ -363,7 +376,7 @@ INLINE_ __m256 hsum8x8_(const __m256 *v) {
  * rows at a time; each row's dot product is the project order (lanes k mod 8, hsum8, then
  * the scalar tail), so a row's bits do not depend on which 8 rows share its tile. */
 INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
-                        int64_t obase, const int dt) {
+                        int64_t obase, const int f) {
     const int64_t kdim = tm->kdim, ldm = tm->ldm, body = kdim & ~(int64_t)7;
     for (int b = 0; b < nb; b++) {
         const float s = tm->scale[b];
@@ -378,8 +391,8 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
                 if (l < nrows) {
                     const int64_t row = (i + l) * ldm;
                     for (int64_t k = 0; k < body; k += 8)
-                        a = _mm256_fmadd_ps(load_f32x8_(tm->m, row + k, dt), _mm256_loadu_ps(u + k), a);
-                    tail[l] = fma_tail_(tm->m, row + body, dt, u, body, LORA_DTYPE_F32,
+                        a = _mm256_fmadd_ps(run_f32x8_(tm->m, row + k, f), _mm256_loadu_ps(u + k), a);
+                    tail[l] = fma_tail_(tm->m, row + body, f, u, body, LORA_DTYPE_F32,
                                         kdim - body);
                 }
                 acc_f32x8[l] = a;

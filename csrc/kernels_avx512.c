@@ -84,6 +84,25 @@ INLINE_ __m512 load_masked_f32x16_(const void *p, int64_t i, __mmask16 mask, con
 
 INLINE_ __mmask16 tail_mask_(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 
+/* A run of a factor's values as float32 (exact): 16 of them, the same under
+ * a mask, and the raw 32 values of a 64-byte load (bfloat16's pair order,
+ * bf16_even/odd_f32x16_).  The one place this file reads a storage format; an
+ * element format is its dtype's values. */
+LORA_FORMATS_HANDLED(3, avx512_run_loads_know_f32_f16_bf16);
+INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) { return load_f32x16_(r.v, e, f); }
+
+INLINE_ __m512 run_masked_f32x16_(lora_run r, int64_t e, __mmask16 mask, const int f) {
+    return load_masked_f32x16_(r.v, e, mask, f);
+}
+
+/* 32 bfloat16 values from value e (whole, or those under a mask) */
+INLINE_ __m512i run_bf16x32_(lora_run r, int64_t e) {
+    return _mm512_loadu_si512((const uint16_t *)r.v + e);
+}
+INLINE_ __m512i run_masked_bf16x32_(lora_run r, int64_t e, __mmask32 mask) {
+    return _mm512_maskz_loadu_epi16(mask, (const uint16_t *)r.v + e);
+}
+
 /* 32 bfloat16 values in one zmm, widened exactly in one uop per 16: moving
  * the low half of each 32-bit lane up 16 bits gives the even-indexed values
  * as float32, clearing the low half the odd-indexed ones (lane l: values 2l
@@ -153,19 +172,19 @@ INLINE_ void load_x_pairs_(const void *x, int64_t j, __mmask32 mask, const int f
 
 /* nr ranks x nb positions (nr * nb <= 16) over columns [j0, j1) (whole
  * vectors); accumulators in state[r*nb + b] */
-INLINE_ void project_tile_(const void *a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
+INLINE_ void project_tile_(lora_run a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
                            const int nr, const int nb, const void *const *xs, __m512 *state,
-                           const int dt, const int xt) {
+                           const int f, const int xt) {
     __m512 acc_f32x16[16];
     for (int i = 0; i < nr * nb; i++) acc_f32x16[i] = state[i];
-    if (dt == LORA_DTYPE_BF16) {
+    if (f == LORA_DTYPE_BF16) {
         /* 32 columns per A load: lane l adds column j + 2l, then j + 2l + 1 */
         for (int64_t j = j0; j < j1; j += 32) {
             __m512 x_even_f32x16[4], x_odd_f32x16[4];
             for (int b = 0; b < nb; b++)
                 load_x_pairs_(xs[b], j, 0, 1, xt, &x_even_f32x16[b], &x_odd_f32x16[b]);
             for (int r = 0; r < nr; r++) {
-                const __m512i a_bf16x32 = _mm512_loadu_si512((const uint16_t *)a + (k + r) * lda + j);
+                const __m512i a_bf16x32 = run_bf16x32_(a, (k + r) * lda + j);
                 const __m512 a_even_f32x16 = bf16_even_f32x16_(a_bf16x32);
                 const __m512 a_odd_f32x16 = bf16_odd_f32x16_(a_bf16x32);
                 for (int b = 0; b < nb; b++) {
@@ -182,7 +201,7 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t k, int64_t j0, in
         __m512 x_f32x16[8];
         for (int b = 0; b < nb; b++) x_f32x16[b] = load_f32x16_(xs[b], j, xt);
         for (int r = 0; r < nr; r++) {
-            const __m512 a_f32x16 = load_f32x16_(a, (k + r) * lda + j, dt);
+            const __m512 a_f32x16 = run_f32x16_(a, (k + r) * lda + j, f);
             for (int b = 0; b < nb; b++)
                 acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r * nb + b]);
         }
@@ -193,33 +212,33 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t k, int64_t j0, in
 /* ranks kg .. kg+kn over the whole-vector columns [j0, j1), in chunks of CHUNK_.  Called from
  * one place only: a second inlined copy (a separate loop for one-block rows) made GCC keep the
  * AVX2 file's tile chains in memory, 10 % more instructions on a 512-position prefill */
-INLINE_ void project_span_(const void *a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
+INLINE_ void project_span_(lora_run a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
                            const int nr, const int nb, const void *const *xs, __m512 *state,
-                           const int dt, const int xt) {
+                           const int f, const int xt) {
     for (int64_t c0 = j0; c0 < j1; c0 += CHUNK_) {
         const int64_t c1 = c0 + CHUNK_ < j1 ? c0 + CHUNK_ : j1;
         int k = 0;
         for (; k + nr <= kn; k += nr)
-            project_tile_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, dt, xt);
-        for (; k < kn; k++) project_tile_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, dt, xt);
+            project_tile_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, f, xt);
+        for (; k < kn; k++) project_tile_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, f, xt);
     }
 }
 
-INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+INLINE_ void project_nb_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                          const int nb, const void *const *xs, float *t, int64_t ldt,
-                         const int dt, const int xt) {
+                         const int f, const int xt) {
     /* nr * nb <= 16 accumulators (+ nb x vectors + 1 A vector <= 32 zmm) */
     const int nr = nb <= 2 ? 8 : 4;
     __m512 state[KGROUP_ * LORA_NB]; /* the current column block's chains */
     /* whole vectors: 16 columns, or 32 for bfloat16 A (see project_tile_) */
-    const int64_t body = cols & ~(int64_t)(dt == LORA_DTYPE_BF16 ? 31 : 15);
+    const int64_t body = cols & ~(int64_t)(f == LORA_DTYPE_BF16 ? 31 : 15);
     for (int64_t kg = k0; kg < k1; kg += KGROUP_) {
         const int kn = (int)(k1 - kg < KGROUP_ ? k1 - kg : KGROUP_);
         for (int i = 0; i < kn * nb; i++) state[i] = _mm512_setzero_ps();
         int blocks = 0; /* column blocks (LORA_JBLOCK) finished: their sums are in t */
         for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) { /* one call site: see above */
             const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
-            project_span_(a, lda, kg, kn, jb, je, nr, nb, xs, state, dt, xt);
+            project_span_(a, lda, kg, kn, jb, je, nr, nb, xs, state, f, xt);
             if (je < body) { /* a block ends and another follows: its sum joins t */
                 for (int k = 0; k < kn; k++)
                     for (int b = 0; b < nb; b++) {
@@ -231,7 +250,7 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
                 blocks++;
             }
         }
-        if (dt == LORA_DTYPE_BF16) {
+        if (f == LORA_DTYPE_BF16) {
             /* the last partial 32 columns, masked: lanes past cols add 0 * 0 */
             const __mmask32 mask = (__mmask32)((1ull << (cols - body)) - 1u);
             __m512 x_even_f32x16[4], x_odd_f32x16[4];
@@ -241,8 +260,7 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
             for (int k = 0; k < kn; k++) {
                 __m512 a_even_f32x16 = _mm512_setzero_ps(), a_odd_f32x16 = a_even_f32x16;
                 if (body < cols) {
-                    const __m512i a_bf16x32 =
-                        _mm512_maskz_loadu_epi16(mask, (const uint16_t *)a + (kg + k) * lda + body);
+                    const __m512i a_bf16x32 = run_masked_bf16x32_(a, (kg + k) * lda + body, mask);
                     a_even_f32x16 = bf16_even_f32x16_(a_bf16x32);
                     a_odd_f32x16 = bf16_odd_f32x16_(a_bf16x32);
                 }
@@ -260,7 +278,7 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
         }
         const __mmask16 mask = tail_mask_(cols - body);
         for (int k = 0; k < kn; k++) {
-            const __m512 a_f32x16 = body < cols ? load_masked_f32x16_(a, (kg + k) * lda + body, mask, dt)
+            const __m512 a_f32x16 = body < cols ? run_masked_f32x16_(a, (kg + k) * lda + body, mask, f)
                                                 : _mm512_setzero_ps();
             for (int b = 0; b < nb; b++) {
                 __m512 acc_f32x16 = state[k * nb + b];
@@ -274,14 +292,14 @@ INLINE_ void project_nb_(const void *a, int64_t lda, int64_t cols, int64_t k0, i
     }
 }
 
-INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                      int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
+INLINE_ void project_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                      int nb, const void *const *xs, float *t, int64_t ldt, const int f,
                       const int xt) {
     switch (nb) {  /* constant nb lets the compiler keep every accumulator in a register */
-    case 1: project_nb_(a, lda, cols, k0, k1, 1, xs, t, ldt, dt, xt); break;
-    case 2: project_nb_(a, lda, cols, k0, k1, 2, xs, t, ldt, dt, xt); break;
-    case 3: project_nb_(a, lda, cols, k0, k1, 3, xs, t, ldt, dt, xt); break;
-    default: project_nb_(a, lda, cols, k0, k1, 4, xs, t, ldt, dt, xt); break;
+    case 1: project_nb_(a, lda, cols, k0, k1, 1, xs, t, ldt, f, xt); break;
+    case 2: project_nb_(a, lda, cols, k0, k1, 2, xs, t, ldt, f, xt); break;
+    case 3: project_nb_(a, lda, cols, k0, k1, 3, xs, t, ldt, f, xt); break;
+    default: project_nb_(a, lda, cols, k0, k1, 4, xs, t, ldt, f, xt); break;
     }
 }
 
@@ -290,12 +308,12 @@ INLINE_ void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int6
  * totals + nv + 1 operands <= 25 zmm, or, when the rank fits one block
  * (one_block: kdim <= LORA_KBLOCK, the common case), nv * nb <= 16 sums and
  * no totals: the same arithmetic, since the first block's sum is the total */
-INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+INLINE_ void term_tile_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                         __mmask16 last, const int nb, const float *u, int64_t ldu,
-                        const float *scale, float *const *outs, int64_t obase, const int dt,
+                        const float *scale, float *const *outs, int64_t obase, const int f,
                         const int one_block) {
     /* bfloat16 whole tiles (nv even, no mask) widen 32 outputs per load */
-    const int pairs = dt == LORA_DTYPE_BF16 && nv % 2 == 0;
+    const int pairs = f == LORA_DTYPE_BF16 && nv % 2 == 0;
     __m512 total_f32x16[16], block_f32x16[16];
     for (int q = 0; q < nv * nb; q++) total_f32x16[q] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
@@ -309,14 +327,14 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
                  * chain, only in another lane (put back in order at the store) */
                 for (int p = 0; p < nv / 2; p++) {
                     const __m512i raw_bf16x32 =
-                        _mm512_loadu_si512((const uint16_t *)m + k * ldm + i + 32 * p);
+                        run_bf16x32_(m, k * ldm + i + 32 * p);
                     m_f32x16[2 * p] = bf16_even_f32x16_(raw_bf16x32);
                     m_f32x16[2 * p + 1] = bf16_odd_f32x16_(raw_bf16x32);
                 }
             } else {
                 for (int v = 0; v < nv; v++)
-                    m_f32x16[v] = v == nv - 1 ? load_masked_f32x16_(m, k * ldm + i + 16 * v, last, dt)
-                                              : load_f32x16_(m, k * ldm + i + 16 * v, dt);
+                    m_f32x16[v] = v == nv - 1 ? run_masked_f32x16_(m, k * ldm + i + 16 * v, last, f)
+                                              : run_f32x16_(m, k * ldm + i + 16 * v, f);
             }
             for (int b = 0; b < nb; b++) {
                 const __m512 u_f32x16 = _mm512_set1_ps(u[b * ldu + k]);
@@ -363,15 +381,15 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
  * after).  kn is a constant where it can be (decode_block_any_), so each M
  * load is its own instruction stepping one line a vector, which the
  * hardware prefetchers follow. */
-INLINE_ void decode_block_(const void *m, int64_t ldm, int64_t k0, const int kn, int64_t i,
+INLINE_ void decode_block_(lora_run m, int64_t ldm, int64_t k0, const int kn, int64_t i,
                            int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
-                           int64_t obase, float *total, const int dt) {
+                           int64_t obase, float *total, const int f) {
     const int64_t i_start = i;
-    if (dt == LORA_DTYPE_BF16) {
+    if (f == LORA_DTYPE_BF16) {
         for (; i + 32 <= i1; i += 32) {
             __m512 even_f32x16 = _mm512_setzero_ps(), odd_f32x16 = _mm512_setzero_ps();
             for (int k = 0; k < kn; k++) {
-                const __m512i raw_bf16x32 = _mm512_loadu_si512((const uint16_t *)m + (k0 + k) * ldm + i);
+                const __m512i raw_bf16x32 = run_bf16x32_(m, (k0 + k) * ldm + i);
                 even_f32x16 = _mm512_fmadd_ps(bf16_even_f32x16_(raw_bf16x32), u_f32x16[k], even_f32x16);
                 odd_f32x16 = _mm512_fmadd_ps(bf16_odd_f32x16_(raw_bf16x32), u_f32x16[k], odd_f32x16);
             }
@@ -393,8 +411,8 @@ INLINE_ void decode_block_(const void *m, int64_t ldm, int64_t k0, const int kn,
         const __mmask16 mask = full ? (__mmask16)0xffff : tail_mask_(i1 - i);
         __m512 acc_f32x16 = _mm512_setzero_ps();
         for (int k = 0; k < kn; k++)
-            acc_f32x16 = _mm512_fmadd_ps(full ? load_f32x16_(m, (k0 + k) * ldm + i, dt)
-                                              : load_masked_f32x16_(m, (k0 + k) * ldm + i, mask, dt),
+            acc_f32x16 = _mm512_fmadd_ps(full ? run_f32x16_(m, (k0 + k) * ldm + i, f)
+                                              : run_masked_f32x16_(m, (k0 + k) * ldm + i, mask, f),
                                          u_f32x16[k], acc_f32x16);
         if (total) {
             float *t = total + (i - i_start);
@@ -408,13 +426,13 @@ INLINE_ void decode_block_(const void *m, int64_t ldm, int64_t k0, const int kn,
 
 /* decode_block_ with kn a constant for the common ranks */
 #define DECODE_KN_CASE_(KN) \
-    case KN: decode_block_(m, ldm, k0, KN, i0, i1, u_f32x16, s_f32x16, out, obase, total, dt); break;
-INLINE_ void decode_block_any_(const void *m, int64_t ldm, int64_t k0, int kn, int64_t i0,
+    case KN: decode_block_(m, ldm, k0, KN, i0, i1, u_f32x16, s_f32x16, out, obase, total, f); break;
+INLINE_ void decode_block_any_(lora_run m, int64_t ldm, int64_t k0, int kn, int64_t i0,
                                int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
-                               int64_t obase, float *total, const int dt) {
+                               int64_t obase, float *total, const int f) {
     switch (kn) {
     DECODE_KN_CASE_(16) DECODE_KN_CASE_(8) DECODE_KN_CASE_(4)
-    default: decode_block_(m, ldm, k0, kn, i0, i1, u_f32x16, s_f32x16, out, obase, total, dt); break;
+    default: decode_block_(m, ldm, k0, kn, i0, i1, u_f32x16, s_f32x16, out, obase, total, f); break;
     }
 }
 #undef DECODE_KN_CASE_
@@ -430,14 +448,14 @@ INLINE_ void decode_block_any_(const void *m, int64_t ldm, int64_t k0, int kn, i
  * + ..., out = fma(total, s, out); past one rank block the running totals
  * wait in a strip in L1. */
 #define DECODE_STRIP_ 1024
-INLINE_ void term_decode_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                          const float *u, float s, float *out, int64_t obase, const int dt) {
+INLINE_ void term_decode_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                          const float *u, float s, float *out, int64_t obase, const int f) {
     if (s == 0.0f) return; /* as term_tile_: a zero scale writes nothing */
     const __m512 s_f32x16 = _mm512_set1_ps(s);
     __m512 u_f32x16[LORA_KBLOCK];
     if (kdim <= LORA_KBLOCK) {
         for (int64_t k = 0; k < kdim; k++) u_f32x16[k] = _mm512_set1_ps(u[k]);
-        decode_block_any_(m, ldm, 0, (int)kdim, i0, i1, u_f32x16, s_f32x16, out, obase, NULL, dt);
+        decode_block_any_(m, ldm, 0, (int)kdim, i0, i1, u_f32x16, s_f32x16, out, obase, NULL, f);
         return;
     }
     float total[DECODE_STRIP_] __attribute__((aligned(64)));
@@ -446,7 +464,7 @@ INLINE_ void term_decode_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, 
         for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
             const int kn = (int)(kdim - k0 < LORA_KBLOCK ? kdim - k0 : LORA_KBLOCK);
             for (int k = 0; k < kn; k++) u_f32x16[k] = _mm512_set1_ps(u[k0 + k]);
-            decode_block_any_(m, ldm, k0, kn, i, i + n, u_f32x16, s_f32x16, out, obase, total, dt);
+            decode_block_any_(m, ldm, k0, kn, i, i + n, u_f32x16, s_f32x16, out, obase, total, f);
         }
         for (int64_t j = 0; j < n; j += 16) {
             const __mmask16 mask = j + 16 <= n ? (__mmask16)0xffff : tail_mask_(n - j);
@@ -457,30 +475,30 @@ INLINE_ void term_decode_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, 
     }
 }
 
-INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                       const int nb, const float *u, int64_t ldu, const float *scale,
-                      float *const *outs, int64_t obase, const int dt) {
+                      float *const *outs, int64_t obase, const int f) {
     /* a decode walks M in order (term_decode_); past one rank block a half M keeps the
      * tiles, whose even/odd and per-16 widenings the walk's strip of totals slowed by
      * 19 % where M sits in L2 (bfloat16 rank 64) */
-    if (nb == 1 && (kdim <= LORA_KBLOCK || dt == LORA_DTYPE_F32)) {
-        term_decode_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, dt);
+    if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32)) {
+        term_decode_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, f);
         return;
     }
     int64_t i = i0;
     if (kdim <= LORA_KBLOCK) {
         const int nv = nb <= 2 ? 8 : 4;
         for (; i + 16 * nv <= i1; i += 16 * nv)
-            term_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, dt, 1);
+            term_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 1);
     } else {
         const int nv = nb == 1 ? 8 : nb == 2 ? 4 : 2;
         for (; i + 16 * nv <= i1; i += 16 * nv)
-            term_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, dt, 0);
+            term_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 0);
     }
     for (; i + 16 <= i1; i += 16)
-        term_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, dt, 0);
+        term_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 0);
     if (i < i1)
-        term_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, obase, dt, 0);
+        term_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, obase, f, 0);
 }
 
 #include "kernels_quads.h"
@@ -507,7 +525,7 @@ INLINE_ __m512 hsum16x16_(const __m512 *v) {
  * rows at a time: row l's lanes are an fma chain over k = l (mod 16) ascending (the last
  * chunk masked), reduced by hsum16x16_; a row's bits do not depend on its tile. */
 INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
-                        int64_t obase, const int dt) {
+                        int64_t obase, const int f) {
     const int64_t kdim = tm->kdim, ldm = tm->ldm, body = kdim & ~(int64_t)15;
     const __mmask16 kmask = tail_mask_(kdim - body);
     for (int b = 0; b < nb; b++) {
@@ -522,9 +540,9 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
                 if (l < nrows) {
                     const int64_t row = (i + l) * ldm;
                     for (int64_t k = 0; k < body; k += 16)
-                        a = _mm512_fmadd_ps(load_f32x16_(tm->m, row + k, dt), _mm512_loadu_ps(u + k), a);
+                        a = _mm512_fmadd_ps(run_f32x16_(tm->m, row + k, f), _mm512_loadu_ps(u + k), a);
                     if (body < kdim)
-                        a = _mm512_fmadd_ps(load_masked_f32x16_(tm->m, row + body, kmask, dt),
+                        a = _mm512_fmadd_ps(run_masked_f32x16_(tm->m, row + body, kmask, f),
                                             _mm512_maskz_loadu_ps(kmask, u + body), a);
                 }
                 acc_f32x16[l] = a;
@@ -566,6 +584,11 @@ INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
         const __mmask16 mask = tail_mask_(n - i);
         _mm256_mask_storeu_epi16(d + i, mask, narrow_f32x16_(_mm512_maskz_loadu_ps(mask, src + i), ot));
     }
+}
+
+/* values e .. e + n of a factor as float32 (the table's load entry) */
+INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
+    widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
 }
 
 #include "kernels_strip.h"

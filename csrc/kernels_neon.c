@@ -75,6 +75,13 @@ INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
     return lora_bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
+/* A run of a factor's values as float32 (exact): 4 of them, and one (the
+ * table's loader, load_run_, follows the tails).  The one place this file
+ * reads a storage format; an element format is its dtype's values. */
+LORA_FORMATS_HANDLED(3, neon_run_loads_know_f32_f16_bf16);
+INLINE_ float32x4_t run_f32x4_(lora_run r, int64_t e, const int f) { return load_f32x4_(r.v, e, f); }
+INLINE_ float run_f32_(lora_run r, int64_t e, const int f) { return load_f32_(r.v, e, f); }
+
 /* (v0+v1) + (v2+v3), written out with faddp so the tree does not depend on
  * how a compiler lowers vaddvq_f32 */
 INLINE_ float hsum_f32x4_(float32x4_t v) {
@@ -115,11 +122,15 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 
 #include "kernels_tails.h"
 
+INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
+    widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+}
+
 /* nr ranks (k .. k+nr) x nb positions; nr in {1, PROJECT_RANKS_}, nb in {1, 2} */
 #define PROJECT_RANKS_ 4
-INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, const int nr,
+INLINE_ void project_tile_(lora_run a, int64_t lda, int64_t cols, int64_t k, const int nr,
                            const int nb, const void *const *xs, float *t, int64_t ldt,
-                           const int dt, const int xt) {
+                           const int f, const int xt) {
     float sum[PROJECT_RANKS_][2] = {{0}}; /* the finished column blocks' sums */
     const int64_t body = cols & ~(int64_t)7;
     for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) {
@@ -135,8 +146,8 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, 
                 x_f32x4[b][1] = load_f32x4_(xs[b], j + 4, xt);
             }
             for (int r = 0; r < nr; r++) {
-                const float32x4_t a0_f32x4 = load_f32x4_(a, (k + r) * lda + j, dt);
-                const float32x4_t a1_f32x4 = load_f32x4_(a, (k + r) * lda + j + 4, dt);
+                const float32x4_t a0_f32x4 = run_f32x4_(a, (k + r) * lda + j, f);
+                const float32x4_t a1_f32x4 = run_f32x4_(a, (k + r) * lda + j + 4, f);
                 for (int b = 0; b < nb; b++) {
                     acc_f32x4[r][b][0] = vfmaq_f32(acc_f32x4[r][b][0], a0_f32x4, x_f32x4[b][0]);
                     acc_f32x4[r][b][1] = vfmaq_f32(acc_f32x4[r][b][1], a1_f32x4, x_f32x4[b][1]);
@@ -151,16 +162,16 @@ INLINE_ void project_tile_(const void *a, int64_t lda, int64_t cols, int64_t k, 
     }
     for (int r = 0; r < nr; r++) {
         for (int b = 0; b < nb; b++) {
-            const float tail = fma_tail_(a, (k + r) * lda + body, dt, xs[b], body, xt, cols - body);
+            const float tail = fma_tail_(a, (k + r) * lda + body, f, xs[b], body, xt, cols - body);
             t[b * ldt + k + r] = sum[r][b] + tail;
         }
     }
 }
 
 /* outputs i .. i + 4*nv of nb positions; nv in {1, 4}, nb in {1, 2} */
-INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+INLINE_ void term_tile_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                         const int nb, const float *u, int64_t ldu, const float *scale,
-                        float *const *outs, int64_t obase, const int dt) {
+                        float *const *outs, int64_t obase, const int f) {
     float32x4_t total_f32x4[4][2], block_f32x4[4][2];
     for (int v = 0; v < nv; v++)  /* kdim >= 1 overwrites these; zeroed for the compiler's sake */
         for (int b = 0; b < nb; b++) total_f32x4[v][b] = vdupq_n_f32(0.0f);
@@ -170,7 +181,7 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
             for (int b = 0; b < nb; b++) block_f32x4[v][b] = vdupq_n_f32(0.0f);
         for (int64_t k = k0; k < k1; k++) {
             float32x4_t m_f32x4[4];
-            for (int v = 0; v < nv; v++) m_f32x4[v] = load_f32x4_(m, k * ldm + i + 4 * v, dt);
+            for (int v = 0; v < nv; v++) m_f32x4[v] = run_f32x4_(m, k * ldm + i + 4 * v, f);
             for (int b = 0; b < nb; b++) {
                 const float32x4_t u_f32x4 = vdupq_n_f32(u[b * ldu + k]);
                 for (int v = 0; v < nv; v++)
@@ -194,14 +205,14 @@ INLINE_ void term_tile_(const void *m, int64_t ldm, int64_t kdim, int64_t i, con
 
 /* one term over outputs [i0, i1) of nb positions; output i lives at
  * outs[b][i - obase] */
-INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                       const int nb, const float *u, int64_t ldu, const float *scale,
-                      float *const *outs, int64_t obase, const int dt) {
+                      float *const *outs, int64_t obase, const int f) {
     int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) term_tile_(m, ldm, kdim, i, 4, nb, u, ldu, scale, outs, obase, dt);
-    for (; i + 4 <= i1; i += 4) term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, dt);
+    for (; i + 16 <= i1; i += 16) term_tile_(m, ldm, kdim, i, 4, nb, u, ldu, scale, outs, obase, f);
+    for (; i + 4 <= i1; i += 4) term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, f);
     /* the same blocked chains, one lane at a time */
-    term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, dt);
+    term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, f);
 }
 
 #include "kernels_pairs.h"
@@ -210,7 +221,7 @@ INLINE_ void term_nb_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int6
  * row's dot product is the project order (lanes k mod 8 in two float32x4 chains, hsum8, then
  * the scalar tail), so a row's bits never depend on its neighbours or its thread. */
 INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, float *const *outs,
-                        int64_t obase, const int dt) {
+                        int64_t obase, const int f) {
     const int64_t kdim = tm->kdim, ldm = tm->ldm, body = kdim & ~(int64_t)7;
     for (int b = 0; b < nb; b++) {
         const float s = tm->scale[b];
@@ -220,12 +231,12 @@ INLINE_ void term_rows_(const lora_term *tm, int64_t i0, int64_t i1, int nb, flo
             const int64_t row = i * ldm;
             float32x4_t lo_f32x4 = vdupq_n_f32(0.0f), hi_f32x4 = vdupq_n_f32(0.0f);
             for (int64_t k = 0; k < body; k += 8) {
-                lo_f32x4 = vfmaq_f32(lo_f32x4, load_f32x4_(tm->m, row + k, dt), vld1q_f32(u + k));
-                hi_f32x4 = vfmaq_f32(hi_f32x4, load_f32x4_(tm->m, row + k + 4, dt),
+                lo_f32x4 = vfmaq_f32(lo_f32x4, run_f32x4_(tm->m, row + k, f), vld1q_f32(u + k));
+                hi_f32x4 = vfmaq_f32(hi_f32x4, run_f32x4_(tm->m, row + k + 4, f),
                                      vld1q_f32(u + k + 4));
             }
             const float tail =
-                fma_tail_(tm->m, row + body, dt, u, body, LORA_DTYPE_F32, kdim - body);
+                fma_tail_(tm->m, row + body, f, u, body, LORA_DTYPE_F32, kdim - body);
             float *o = outs[b] + (i - obase);
             *o = fmaf(hsum_f32x4x2_(lo_f32x4, hi_f32x4) + tail, s, *o);
         }

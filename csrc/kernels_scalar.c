@@ -31,9 +31,19 @@
  */
 #include "kernels.h"
 
+/* The one place this file reads a factor's format: value e of a run as
+ * float32 (exact), the portable reader of kernels.h. */
+LORA_FORMATS_HANDLED(3, scalar_loads_know_f32_f16_bf16);
+static inline float run_f32_(lora_run r, int64_t e, const int f) { return lora_run_load(r, e, f); }
+
+/* values e .. e + n of a factor as float32 (the table's load entry) */
+static inline void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
+    for (int64_t k = 0; k < n; k++) dst[k] = run_f32_(r, e + k, f);
+}
+
 /* t[b*ldt + k] for k in [k0, k1): x widened element by element */
-static inline void project_(const void *a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                            int nb, const void *const *xs, float *t, int64_t ldt, const int dt,
+static inline void project_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                            int nb, const void *const *xs, float *t, int64_t ldt, const int f,
                             const int xt) {
     for (int64_t k = k0; k < k1; k++) {
         for (int b = 0; b < nb; b++) {
@@ -44,13 +54,13 @@ static inline void project_(const void *a, int64_t lda, int64_t cols, int64_t k0
                 const int64_t je = jb + LORA_JBLOCK < cols ? jb + LORA_JBLOCK : cols;
                 float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 int64_t j = jb;
-                if (dt == LORA_DTYPE_F32 && xt == LORA_DTYPE_F32) {
-                    const float *ak = (const float *)a + row, *xf = (const float *)x;
+                if (f == LORA_FMT_F32 && xt == LORA_DTYPE_F32) {
+                    const float *ak = (const float *)a.v + row, *xf = (const float *)x;
                     for (; j + 8 <= je; j += 8)
                         for (int l = 0; l < 8; l++) lane[l] += ak[j + l] * xf[j + l];
                 }
                 for (; j < je; j++)
-                    lane[j & 7] += lora_load_f32(a, row + j, dt) * lora_load_f32(x, j, xt);
+                    lane[j & 7] += run_f32_(a, row + j, f) * lora_load_f32(x, j, xt);
                 const float block = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
                                     ((lane[4] + lane[5]) + (lane[6] + lane[7]));
                 sum = jb == 0 ? block : sum + block;
@@ -65,18 +75,18 @@ static inline void project_(const void *a, int64_t lda, int64_t cols, int64_t k0
 static inline void term_strip_(const lora_term *tm, int b, int64_t i, int n, float *o) {
     float total[LORA_STRIP], block[LORA_STRIP];
     const float *ub = tm->u + b * tm->ldu;
-    const int dt = tm->dtype;
+    const int f = tm->fmt;
     for (int64_t k0 = 0; k0 < tm->kdim; k0 += LORA_KBLOCK) {
         const int64_t k1 = k0 + LORA_KBLOCK < tm->kdim ? k0 + LORA_KBLOCK : tm->kdim;
         for (int l = 0; l < n; l++) block[l] = 0.0f;
         for (int64_t k = k0; k < k1; k++) {
             const float uk = ub[k];
             const int64_t row = k * tm->ldm + i;
-            if (dt == LORA_DTYPE_F32) {
-                const float *mk = (const float *)tm->m + row;
+            if (f == LORA_FMT_F32) {
+                const float *mk = (const float *)tm->m.v + row;
                 for (int l = 0; l < n; l++) block[l] += mk[l] * uk;
             } else {
-                for (int l = 0; l < n; l++) block[l] += lora_load_f32(tm->m, row + l, dt) * uk;
+                for (int l = 0; l < n; l++) block[l] += run_f32_(tm->m, row + l, f) * uk;
             }
         }
         for (int l = 0; l < n; l++) total[l] = k0 == 0 ? block[l] : total[l] + block[l];
@@ -94,15 +104,16 @@ static inline void term_rows_(const lora_term *tm, int b, int64_t i, int n, floa
         const int64_t row = (i + l) * tm->ldm;
         float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t k = 0; k < tm->kdim; k++)
-            lane[k & 7] += lora_load_f32(tm->m, row + k, tm->dtype) * ub[k];
+            lane[k & 7] += run_f32_(tm->m, row + k, tm->fmt) * ub[k];
         const float total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
                             ((lane[4] + lane[5]) + (lane[6] + lane[7]));
         o[l] += s * total;
     }
 }
 
+/* output i of position b at outs[b] + (i - obase) */
 static inline void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
-                               int nb, void *const *outs, const int ot) {
+                               int nb, void *const *outs, int64_t obase, const int ot) {
     float strip[LORA_STRIP];
     for (int b = 0; b < nb; b++) {
         int touched = 0;
@@ -110,16 +121,16 @@ static inline void accumulate_(const lora_term *terms, int n_terms, int64_t i0, 
         if (!touched) continue;  /* no term adds here: the element keeps its bits */
         for (int64_t i = i0; i < i1; i += LORA_STRIP) {
             const int n = (int)(i1 - i < LORA_STRIP ? i1 - i : LORA_STRIP);
-            float *o = ot == LORA_DTYPE_F32 ? (float *)outs[b] + i : strip;
+            float *o = ot == LORA_DTYPE_F32 ? (float *)outs[b] + (i - obase) : strip;
             if (ot != LORA_DTYPE_F32)
-                for (int l = 0; l < n; l++) o[l] = lora_load_f32(outs[b], i + l, ot);
+                for (int l = 0; l < n; l++) o[l] = lora_load_f32(outs[b], i - obase + l, ot);
             for (int q = 0; q < n_terms; q++)
                 if (terms[q].scale[b] != 0.0f) {
                     if (terms[q].by_row) term_rows_(&terms[q], b, i, n, o);
                     else term_strip_(&terms[q], b, i, n, o);
                 }
             if (ot != LORA_DTYPE_F32)
-                for (int l = 0; l < n; l++) lora_store_f32(outs[b], i + l, o[l], ot);
+                for (int l = 0; l < n; l++) lora_store_f32(outs[b], i - obase + l, o[l], ot);
         }
     }
 }

@@ -3,9 +3,10 @@
  * (AVX2, AVX-512, NEON; the portable file keeps its own, simpler one).
  *
  * Included by an ISA file inside its target region, after it has defined
- * INLINE_ and these static inline helpers (dt, ot: compile-time LORA_DTYPE_*):
- *   term_(term, i0, i1, nb, outs, obase, dt)      one term by rank (M = B^T or A)
- *   term_rows_(term, i0, i1, nb, outs, obase, dt) one term by output (by_row)
+ * INLINE_ and these static inline helpers (f: a compile-time LORA_FMT_*, ot:
+ * a compile-time LORA_DTYPE_*):
+ *   term_(term, i0, i1, nb, outs, obase, f)       one term by rank (M = B^T or A)
+ *   term_rows_(term, i0, i1, nb, outs, obase, f)  one term by output (by_row)
  *   widen_(src, n, dst, dt)     float16/bfloat16 -> float32, exact
  *   narrow_(src, n, dst, ot)    float32 -> float16/bfloat16, nearest even
  * where outs[b] + (i - obase) is output i of position b.  It defines
@@ -14,22 +15,22 @@
  */
 
 /* every term of a stack, in order, into the float32 outputs [i0, i1) */
-/* one case per storage dtype of the registry; a term's dtype was checked when
- * its delta was made (lora_delta_new / lora_delta_view), hence no default */
-#define STRIP_TERM_CASE_(FN, DT, NAME, BYTES, BITS)                                            \
-    case DT: FN(&terms[q], i0, i1, nb, outs, obase, DT); break;
+/* one case per storage format of the registry; a term's format was checked
+ * when its delta was made (lora_delta_new / lora_delta_view) */
+#define STRIP_TERM_CASE_(FN, FMT, NAME, BLOCK, BYTES, VALUE)                                   \
+    case FMT: FN(&terms[q], i0, i1, nb, outs, obase, FMT); break;
 INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
                     float *const *outs, int64_t obase) {
     for (int q = 0; q < n_terms; q++) {
         if (terms[q].by_row) {
-            switch (terms[q].dtype) {
-                LORA_DTYPES(STRIP_TERM_CASE_, term_rows_)
+            switch (terms[q].fmt) {
+                LORA_FORMATS(STRIP_TERM_CASE_, term_rows_)
                 default: LORA_UNREACHABLE();
             }
             continue;
         }
-        switch (terms[q].dtype) {
-            LORA_DTYPES(STRIP_TERM_CASE_, term_)
+        switch (terms[q].fmt) {
+            LORA_FORMATS(STRIP_TERM_CASE_, term_)
             default: LORA_UNREACHABLE();
         }
     }
@@ -38,15 +39,16 @@ INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
 
 /* a float32 out is updated in place strip by strip; a half out is widened into
  * an L1 strip, every term adds into it in order, then it is rounded once.  A
- * strip's length changes no element's arithmetic. */
+ * strip's length changes no element's arithmetic.  Output i of position b is
+ * at outs[b] + (i - obase). */
 INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
-                         void *const *outs, const int ot) {
+                         void *const *outs, int64_t obase, const int ot) {
     /* a decode's strips are longer: its tiles read every M row in long runs */
     const int64_t len = nb == 1 ? LORA_DECODE_STRIP : LORA_STRIP;
     if (ot == LORA_DTYPE_F32) {
         /* a strip of outputs stays in L1 while every term adds into it */
         for (int64_t i = i0; i < i1; i += len)
-            terms_(terms, n_terms, i, i + len < i1 ? i + len : i1, nb, (float *const *)outs, 0);
+            terms_(terms, n_terms, i, i + len < i1 ? i + len : i1, nb, (float *const *)outs, obase);
         return;
     }
     int touched[LORA_NB] = {0};
@@ -59,10 +61,10 @@ INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_
         for (int b = 0; b < nb; b++) {
             so[b] = strip + b * len;  /* output i at so[b][i - i_strip] */
             if (touched[b])
-                widen_((const char *)outs[b] + i * lora_dtype_size(ot), n, so[b], ot);
+                widen_((const char *)outs[b] + (i - obase) * lora_dtype_size(ot), n, so[b], ot);
         }
         terms_(terms, n_terms, i, i + n, nb, so, i);
         for (int b = 0; b < nb; b++)
-            if (touched[b]) narrow_(so[b], n, (char *)outs[b] + i * lora_dtype_size(ot), ot);
+            if (touched[b]) narrow_(so[b], n, (char *)outs[b] + (i - obase) * lora_dtype_size(ot), ot);
     }
 }

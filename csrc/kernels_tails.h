@@ -8,6 +8,7 @@
  * fused multiply-add: vfmadd on x86 with FMA, fmadd on aarch64), after it
  * has defined INLINE_ and
  *   load_f32_(p, i, dt)          element i of a dtype array as float32, exact
+ *   run_f32_(r, e, f)            value e of a factor run in format f as float32, exact
  *   VEC_LANES_                   float32 lanes of one vector
  *   widen_vec_(src, i, dst, dt)  dst[i .. i + VEC_LANES_) = src widened, exact
  *   narrow_vec_(src, i, dst, ot) dst[i .. i + VEC_LANES_) = src rounded to
@@ -21,13 +22,13 @@
  * and narrow_.  No include guard: every file compiles its own copy.
  */
 
-/* fma-chain from 0 over j < n, ascending, of a[ia + j] * x[ix + j] (a in dtype
- * dt, x in dtype xt) */
-INLINE_ float fma_tail_(const void *a, int64_t ia, const int dt, const void *x, int64_t ix,
+/* fma-chain from 0 over j < n, ascending, of a[ia + j] * x[ix + j] (a a factor
+ * run in format f, x in dtype xt) */
+INLINE_ float fma_tail_(lora_run a, int64_t ia, const int f, const void *x, int64_t ix,
                         const int xt, int64_t n) {
     float acc = 0.0f;
     for (int64_t j = 0; j < n; j++)
-        acc = fmaf(load_f32_(a, ia + j, dt), load_f32_(x, ix + j, xt), acc);
+        acc = fmaf(run_f32_(a, ia + j, f), load_f32_(x, ix + j, xt), acc);
     return acc;
 }
 
@@ -35,9 +36,9 @@ INLINE_ float fma_tail_(const void *a, int64_t ia, const int dt, const void *x, 
  * blocked chains of the accumulate order (an fma chain from 0 over each
  * LORA_KBLOCK of k, the blocks' sums added in order), then out = fma(total,
  * s, out).  Output i of position b lives at outs[b][i - obase]. */
-INLINE_ void term_lanes_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+INLINE_ void term_lanes_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                          const int nb, const float *u, int64_t ldu, const float *scale,
-                         float *const *outs, int64_t obase, const int dt) {
+                         float *const *outs, int64_t obase, const int f) {
     for (int64_t i = i0; i < i1; i++) {
         for (int b = 0; b < nb; b++) {
             if (scale[b] == 0.0f) continue;
@@ -46,7 +47,7 @@ INLINE_ void term_lanes_(const void *m, int64_t ldm, int64_t kdim, int64_t i0, i
                 const int64_t k1 = k0 + LORA_KBLOCK < kdim ? k0 + LORA_KBLOCK : kdim;
                 float block = 0.0f;
                 for (int64_t k = k0; k < k1; k++)
-                    block = fmaf(load_f32_(m, k * ldm + i, dt), u[b * ldu + k], block);
+                    block = fmaf(run_f32_(m, k * ldm + i, f), u[b * ldu + k], block);
                 total = k0 == 0 ? block : total + block;
             }
             outs[b][i - obase] = fmaf(total, scale[b], outs[b][i - obase]);

@@ -40,12 +40,20 @@ typedef struct lora_delta lora_delta;
 #define LORA_ERR_DTYPE 8     /* an unknown dtype code */
 #define LORA_ERR_NORM 9      /* a DoRA row whose norm is 0 (or not finite); *bad = the row */
 
-/* dtypes, of storage and of activations: the codes 0 .. LORA_DTYPE_COUNT - 1
- * (the C side's list of them, with sizes and names, is LORA_DTYPES in kernels.h) */
+/* element dtypes: what x, out and merge targets are (the C side's list of
+ * them, with sizes and names, is LORA_DTYPES in kernels.h) */
 #define LORA_DTYPE_F32 0
 #define LORA_DTYPE_F16 1
 #define LORA_DTYPE_BF16 2
 #define LORA_DTYPE_COUNT 3
+
+/* storage formats: how a delta's factors are stored (LORA_FORMATS in
+ * kernels.h: values per block, bytes per block).  An element format stores
+ * its dtype's values and shares its code. */
+#define LORA_FMT_F32 0
+#define LORA_FMT_F16 1
+#define LORA_FMT_BF16 2
+#define LORA_FMT_COUNT 3
 
 /* ISA paths, lowest first */
 #define LORA_ISA_SCALAR 0
@@ -103,17 +111,20 @@ void lora_team_stats(int64_t *calls, int64_t *lost);
 void lora_team_reset(void);              /* forget the back-off and the counts (tests) */
 
 /* --- deltas --------------------------------------------------------------- */
-/* a: rank x cols values, b: rows x rank values, row-major, in the storage
- * dtype's bits (float, or uint16 for float16/bfloat16).  Copied into aligned,
- * packed storage.  NULL when out of memory or a dimension is < 1. */
-lora_delta *lora_delta_new(int dtype, int64_t rank, int64_t rows, int64_t cols,
+/* A delta of its own storage: A in format a_fmt, B in format b_fmt, each
+ * given as values in the format's bits (float, or uint16 for float16 and
+ * bfloat16), row-major: a = A [rank, cols], b = B [rows, rank].  Copied into
+ * aligned, packed storage.  NULL when out of memory, a format is unknown or a
+ * dimension is < 1. */
+lora_delta *lora_delta_new(int a_fmt, int b_fmt, int64_t rank, int64_t rows, int64_t cols,
                            const void *a, const void *b);
 /* A delta over the caller's memory, not copied: A as rows of [rank, lda] (a_by_row: A^T as
  * rows of [cols, lda]), B as B^T rows of [rank, ldb] (b_by_row: B as rows of [rows, ldb]),
- * values in the storage dtype's bits.  The caller keeps that memory alive while calls use
- * the view; writes to it are seen by the next call.  A view with a_by_row serves the row
- * gathers only (LORA_ERR_ARG elsewhere).  NULL when out of memory or a size is invalid. */
-lora_delta *lora_delta_view(int dtype, int64_t rank, int64_t rows, int64_t cols, const void *a,
+ * both in element format fmt.  The caller keeps that memory alive while calls use the view;
+ * writes to it are seen by the next call.  A view with a_by_row serves the row gathers only
+ * (LORA_ERR_ARG elsewhere).  NULL when out of memory, fmt is not an element format or a size
+ * is invalid. */
+lora_delta *lora_delta_view(int fmt, int64_t rank, int64_t rows, int64_t cols, const void *a,
                             int64_t lda, int a_by_row, const void *b, int64_t ldb, int b_by_row);
 /* frees the delta (a view: only its handle, never the caller's memory) */
 void lora_delta_free(lora_delta *d);

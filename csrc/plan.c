@@ -11,14 +11,15 @@
 
 #include "plan.h"
 
-/* A half-precision delta serving at least this many positions of one prefill
- * call is widened to float32 once for the call (a vectorised copy of ~1 us per
- * 64 Ki values) and run through the float32 kernels: they follow the same
- * summation order on the same (exactly converted) values, so the bits do not
- * change, while the per-load conversion that would cost up to half of the
- * kernel's arithmetic is paid once instead of once per block.  (At 32
- * positions the copy's page faults cost more than it saved: measured.)  Not
- * for a dtype the ISA sums in an order of its own (kernel table's own_order:
+/* A delta not stored in float32 serving at least this many positions of one
+ * prefill call is widened to float32 once for the call (the ISA's run loader,
+ * a vectorised copy of ~1 us per 64 Ki values) and run through the float32
+ * kernels: they follow the same summation order on the same (exactly
+ * converted) values, so the bits do not change, while the per-load
+ * conversion that would cost up to half of the kernel's arithmetic is paid
+ * once instead of once per block.  (At 32 positions the copy's page faults
+ * cost more than it saved: measured.)  Not for a delta with a factor in a
+ * format the ISA sums in an order of its own (kernel table's own_order:
  * AVX-512 bfloat16), whose bits a float32 copy would change. */
 #define LORA_WIDEN_MIN 256
 
@@ -74,14 +75,19 @@ static void plan_bank_(lora_plan *p, const int64_t *entry_ids, int64_t batch, in
     p->n = n, p->order = order, p->blk_start = blk_start, p->blk_entry = blk_entry, p->nblk = nblk;
 }
 
-/* Swap each half-precision delta that serves >= LORA_WIDEN_MIN positions of
+/* a delta with a factor not in float32 */
+static int narrow_delta_(const lora_delta *d) {
+    return d->a.fmt != LORA_FMT_F32 || d->bt.fmt != LORA_FMT_F32;
+}
+
+/* Swap each delta not in float32 that serves >= LORA_WIDEN_MIN positions of
  * this call for a float32 copy (see LORA_WIDEN_MIN). */
 int lora_plan_widen(lora_plan *p, lora_widened *w) {
     w->wide = NULL, w->use = NULL, w->n = 0;
     const int64_t nd = p->n_entries > 0 ? p->first[p->n_entries] : 0;
     if (p->n < LORA_WIDEN_MIN || nd == 0) return LORA_OK;
     int any = 0;
-    for (int64_t q = 0; q < nd; q++) any |= p->deltas[q]->dtype != LORA_DTYPE_F32;
+    for (int64_t q = 0; q < nd; q++) any |= narrow_delta_(p->deltas[q]);
     if (!any) return LORA_OK;
     /* positions per entry */
     int64_t count_stack[16], *count = count_stack;
@@ -102,10 +108,11 @@ int lora_plan_widen(lora_plan *p, lora_widened *w) {
         for (int64_t q = p->first[e]; q < p->first[e + 1]; q++) {
             const lora_delta *d = p->deltas[q];
             w->use[q] = d;
-            if (d->dtype == LORA_DTYPE_F32 || !d->owned || count[e] < LORA_WIDEN_MIN ||
-                p->scales[q] == 0.0 || (p->kt->own_order >> d->dtype & 1u))
+            const unsigned own = p->kt->own_order;
+            if (!narrow_delta_(d) || !d->owned || count[e] < LORA_WIDEN_MIN ||
+                p->scales[q] == 0.0 || (own >> d->a.fmt & 1u) || (own >> d->bt.fmt & 1u))
                 continue;
-            const int64_t na = d->rank * d->lda, nb = d->rank * d->ldb;
+            const int64_t na = d->rank * d->a.ld, nb = d->rank * d->bt.ld;
             float *buf = (float *)lora_aligned_alloc((size_t)(na + nb) * sizeof(float));
             if (!buf) {
                 st = LORA_ERR_NOMEM;
@@ -113,10 +120,11 @@ int lora_plan_widen(lora_plan *p, lora_widened *w) {
             }
             lora_delta *wd = &w->wide[q];
             *wd = *d;
-            wd->dtype = LORA_DTYPE_F32;
-            wd->a = buf, wd->bt = buf + na;
-            p->kt->widen[d->dtype](d->a, na, (float *)wd->a);
-            p->kt->widen[d->dtype](d->bt, nb, (float *)wd->bt);
+            wd->a.v = buf, wd->bt.v = buf + na;
+            wd->a.d = wd->bt.d = NULL;
+            wd->a.fmt = wd->bt.fmt = LORA_FMT_F32;
+            p->kt->load[d->a.fmt](lora_run_of(&d->a), 0, na, buf);
+            p->kt->load[d->bt.fmt](lora_run_of(&d->bt), 0, nb, buf + na);
             w->use[q] = wd;
         }
     }
@@ -128,7 +136,7 @@ int lora_plan_widen(lora_plan *p, lora_widened *w) {
 void lora_widened_free(lora_widened *w) {
     if (w->wide)
         for (int64_t q = 0; q < w->n; q++)
-            if (w->wide[q].a) lora_aligned_free(w->wide[q].a);
+            if (w->wide[q].a.v) lora_aligned_free(w->wide[q].a.v);
     free(w->wide);
     free(w->use);
     w->wide = NULL, w->use = NULL, w->n = 0;

@@ -256,7 +256,7 @@ class LoraDelta(ByValue):
             raise TypeError(f"scale must be a LoraScale; got {type(scale).__name__}")
         factor = check_alpha(factor, False)
         (rank, cols), rows = a_bits.shape, b_bits.shape[0]
-        ptr = lib.lora_delta_new(dtypes.CODES[name], rank, rows, cols, from_buffer(a_bits),
+        ptr = lib.lora_delta_new(dtypes.CODES[name], dtypes.CODES[name], rank, rows, cols, from_buffer(a_bits),
                                  from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
@@ -279,7 +279,7 @@ class LoraDelta(ByValue):
             scale = LoraScale(scale)
         a_bits = dtypes.to_storage(a, name, "lora_a")
         b_bits = dtypes.to_storage(b, name, "lora_b")
-        ptr = lib.lora_delta_new(dtypes.CODES[name], rank, rows, cols, from_buffer(a_bits),
+        ptr = lib.lora_delta_new(dtypes.CODES[name], dtypes.CODES[name], rank, rows, cols, from_buffer(a_bits),
                                  from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")

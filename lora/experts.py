@@ -154,7 +154,7 @@ class LoraExperts(ByValue):
         code = dtypes.CODES[name]
         experts = []
         for e in range(n):
-            ptr = lib.lora_delta_new(code, rank, rows, cols, from_buffer(a_bits[e]),
+            ptr = lib.lora_delta_new(code, code, rank, rows, cols, from_buffer(a_bits[e]),
                                      from_buffer(b_bits[e]))
             if ptr == ffi.NULL:
                 raise MemoryError(f"cannot allocate expert {e} of {n}: a rank-{rank} "

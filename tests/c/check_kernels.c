@@ -190,7 +190,7 @@ static delta_t make_delta(int dt, int64_t rank, int64_t rows, int64_t cols) {
     float *wa = (float *)xmalloc(sizeof(float) * (size_t)(rank * cols));
     float *wb = (float *)xmalloc(sizeof(float) * (size_t)(rows * rank));
     void *a = rand_array(rank * cols, dt, wa, 1.0f), *b = rand_array(rows * rank, dt, wb, 1.0f);
-    r.d = lora_delta_new(dt, rank, rows, cols, a, b);
+    r.d = lora_delta_new(dt, dt, rank, rows, cols, a, b);
     if (!r.d) {
         printf("lora_delta_new failed\n");
         exit(2);
@@ -541,7 +541,7 @@ static void check_rounding(int ot) {
     }
     const int64_t rows = 5;
     const float a[1] = {1.0f}, b[5] = {1.0f, 2.0f, 0.5f, -1.0f, 1.0f};
-    lora_delta *d = lora_delta_new(LORA_DTYPE_F32, 1, rows, 1, a, b);
+    lora_delta *d = lora_delta_new(LORA_FMT_F32, LORA_FMT_F32, 1, rows, 1, a, b);
     float *o32 = (float *)calloc((size_t)(n * rows), sizeof(float));
     uint16_t *oh = (uint16_t *)calloc((size_t)(n * rows), sizeof(uint16_t));
     uint16_t *want = (uint16_t *)xmalloc(sizeof(uint16_t) * (size_t)(n * rows));
@@ -654,7 +654,7 @@ static void check_experts(int ot, int shared, int64_t rows, int64_t cols, int64_
 static void check_statuses(void) {
     snprintf(g_what, sizeof g_what, "statuses");
     const float a[2] = {1.0f, 2.0f}, b[3] = {1.0f, -1.0f, 0.5f};
-    lora_delta *d = lora_delta_new(LORA_DTYPE_F32, 1, 3, 2, a, b);
+    lora_delta *d = lora_delta_new(LORA_FMT_F32, LORA_FMT_F32, 1, 3, 2, a, b);
     CHECK(d != NULL, "lora_delta_new");
     const int bad_codes[2] = {-1, LORA_DTYPE_COUNT};
     float x[2] = {1.0f, 1.0f}, out[3] = {0.0f, 0.0f, 0.0f};
@@ -664,7 +664,7 @@ static void check_statuses(void) {
     const double sc[1] = {1.0};
     for (int c = 0; c < 2; c++) {
         const int dt = bad_codes[c];
-        CHECK(lora_delta_new(dt, 1, 3, 2, a, b) == NULL, "lora_delta_new(dtype %d)", dt);
+        CHECK(lora_delta_new(dt, dt, 1, 3, 2, a, b) == NULL, "lora_delta_new(dtype %d)", dt);
         CHECK(lora_delta_view(dt, 1, 3, 2, a, 2, 0, b, 3, 0) == NULL, "lora_delta_view(dtype %d)", dt);
         CHECK(add_(d, 1.0f, x, dt, out, LORA_DTYPE_F32) == LORA_ERR_DTYPE, "add x dtype %d", dt);
         CHECK(add_(d, 1.0f, x, LORA_DTYPE_F32, out, dt) == LORA_ERR_DTYPE, "add out dtype %d", dt);
