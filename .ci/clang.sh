@@ -8,7 +8,8 @@
 # 2. An OpenMP build (CC=clang, OpenMP from LLVM's libomp: Debian's libomp-dev, installed here
 #    if missing; if it cannot be installed the build falls back to serial and this stage says
 #    so), through `pip wheel` from a copy of the checkout; kernel_info() must name clang and,
-#    with libomp, report openmp; then a subset of the tests: test_guarantees.py (bits across
+#    with libomp, report openmp; then a subset of the tests: test_golden_bits.py (the bits
+#    themselves: gcc's and clang's builds must agree on every path), test_guarantees.py (bits across
 #    runs, threads and batch sizes, stacks, every ISA path), test_bank.py, test_half.py,
 #    test_threads.py.  The whole suite runs on the gcc build in .ci/run.
 # 3. A serial build (CC=clang LORA_DISABLE_OPENMP=1): openmp must be False, threads 1, and
@@ -68,8 +69,8 @@ read -r compiler omp threads isa <<<"$(info)"
 log "kernel_info: compiler=$compiler openmp=$omp threads=$threads isa=$isa"
 [ "$compiler" = clang ] || fail "the extension was not built by clang"
 if [ "$omp_note" = "OpenMP from libomp" ] && [ "$omp" != True ]; then fail "clang with libomp built serial"; fi
-run_tests tests/test_guarantees.py tests/test_bank.py tests/test_half.py tests/test_threads.py \
-    || fail "tests on the clang build"
+run_tests tests/test_golden_bits.py tests/test_guarantees.py tests/test_bank.py tests/test_half.py \
+    tests/test_threads.py || fail "tests on the clang build"
 
 log "CC=clang LORA_DISABLE_OPENMP=1 build"
 # setuptools would reuse the objects of the first build (same sources, newer timestamps)

@@ -15,9 +15,11 @@
  *   project     t[k] = ((r_0 + r_1) + r_2) ..., one r_m per column block m
  *               (the whole vectors in [m, m+1) x LORA_JBLOCK; the masked last
  *               vector joins the last block; a row of up to 4096 columns is
- *               one block, t[k] = r_0), r_m = reduce16(lanes); reduce16 is
- *               GCC's _mm512_reduce_add_ps tree (halves 256, 128, 64, 32
- *               bits).  Lane l is an fma-chain from 0 over the block's
+ *               one block, t[k] = r_0), r_m = hsum16(lanes); hsum16 is
+ *               the halving tree written out in hsum_f32x16_: s8_i = l_i +
+ *               l_(i+8), s4_i = s8_i + s8_(i+4), then (s4_0 + s4_2) +
+ *               (s4_1 + s4_3) (the tree GCC's _mm512_reduce_add_ps uses;
+ *               written out so that no compiler picks another).  Lane l is an fma-chain from 0 over the block's
  *               columns j ascending,
  *                 float32/float16 A: j = l (mod 16), the last partial 16
  *                   columns loaded with a mask (masked-off lanes add 0*0);
@@ -83,6 +85,19 @@ INLINE_ __m512 load_masked_f32x16_(const void *p, int64_t i, __mmask16 mask, con
 }
 
 INLINE_ __mmask16 tail_mask_(int64_t n) { return (__mmask16)((1u << n) - 1u); }
+
+/* The sum of 16 lanes by a fixed tree (the header's hsum16): halves of 256,
+ * 128, 64 and 32 bits, each add written out.  Clang lowers
+ * _mm512_reduce_add_ps as a reassociable reduction, free to pick its own tree;
+ * this one is the same on every compiler. */
+INLINE_ float hsum_f32x16_(__m512 v) {
+    const __m256 hi_f32x8 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 s8_f32x8 = _mm256_add_ps(_mm512_castps512_ps256(v), hi_f32x8);
+    const __m128 s4_f32x4 = _mm_add_ps(_mm256_castps256_ps128(s8_f32x8),
+                                       _mm256_extractf128_ps(s8_f32x8, 1));
+    const __m128 s2_f32x4 = _mm_add_ps(s4_f32x4, _mm_movehl_ps(s4_f32x4, s4_f32x4));
+    return _mm_cvtss_f32(_mm_add_ss(s2_f32x4, _mm_shuffle_ps(s2_f32x4, s2_f32x4, 1)));
+}
 
 /* A run of a factor's values as float32 (exact): 16 of them, the same under
  * a mask, and the raw 32 values of a 64-byte load (bfloat16's pair order,
@@ -243,7 +258,7 @@ INLINE_ void project_nb_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int6
                 for (int k = 0; k < kn; k++)
                     for (int b = 0; b < nb; b++) {
                         float *tk = &t[b * ldt + kg + k];
-                        const float sum = _mm512_reduce_add_ps(state[k * nb + b]);
+                        const float sum = hsum_f32x16_(state[k * nb + b]);
                         *tk = blocks ? *tk + sum : sum;
                         state[k * nb + b] = _mm512_setzero_ps();
                     }
@@ -270,7 +285,7 @@ INLINE_ void project_nb_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int6
                         acc_f32x16 = _mm512_fmadd_ps(a_even_f32x16, x_even_f32x16[b], acc_f32x16);
                         acc_f32x16 = _mm512_fmadd_ps(a_odd_f32x16, x_odd_f32x16[b], acc_f32x16);
                     }
-                    const float sum = _mm512_reduce_add_ps(acc_f32x16);
+                    const float sum = hsum_f32x16_(acc_f32x16);
                     t[b * ldt + kg + k] = blocks ? t[b * ldt + kg + k] + sum : sum;
                 }
             }
@@ -285,7 +300,7 @@ INLINE_ void project_nb_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int6
                 if (body < cols)
                     acc_f32x16 = _mm512_fmadd_ps(a_f32x16, load_masked_f32x16_(xs[b], body, mask, xt),
                                                  acc_f32x16);
-                const float sum = _mm512_reduce_add_ps(acc_f32x16);
+                const float sum = hsum_f32x16_(acc_f32x16);
                 t[b * ldt + kg + k] = blocks ? t[b * ldt + kg + k] + sum : sum;
             }
         }
@@ -599,7 +614,7 @@ INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f
 #define read_zero_() _mm512_setzero_ps()
 #define read_load_(p) _mm512_loadu_ps(p)
 #define read_add_(a, b) _mm512_add_ps(a, b)
-#define read_hsum_(v) _mm512_reduce_add_ps(v)
+#define read_hsum_(v) hsum_f32x16_(v)
 #define read_set1_(f) _mm512_set1_ps(f)
 #define read_fma_(a, b, c) _mm512_fmadd_ps(a, b, c)
 #include "kernels_read.h"
