@@ -74,7 +74,9 @@
  * while the tiles, their widths, loads and horizontal sums stay in the ISA
  * file, so a reader of one file sees the instructions it runs.  An ISA file's
  * own static helpers are named <op>_<shape>_<isa>_ (project_rows_avx2_,
- * term_tile_avx512_): the op, the tile they compute, the ISA.
+ * term_tile_avx512_): the op, the tile they compute, the ISA; the helpers a
+ * shared header calls (term_nb_, project_tile_ of kernels_pairs.h) keep the
+ * names that header gives them.
  * and then one line, LORA_KERNEL_TABLE(isa, own_order), which generates the
  * entry points (this comment is where `grep` for their names should land):
  *   lora_project_<fmt>_<isa>     storage format fmt (LORA_FORMATS); the x

@@ -31,10 +31,10 @@
  * Accumulators: project keeps 8 ranks of one position (8 independent ymm
  * chains: FMA latency 4 x 2 ports = 8 in flight) over whole column blocks,
  * or for a batch up to 12 chains of nr ranks x nb positions over 512-column chunks
- * (project_batch_); accumulate keeps 4 row vectors x 1 or 2 positions = 4
+ * (project_batch_avx2_); accumulate keeps 4 row vectors x 1 or 2 positions = 4
  * or 8 block chains plus their running totals, except a decode (one
  * position), whose two row vectors (one line of M) walk every row of the rank
- * before the next (term_decode_).  How many ranks or rows share a tile
+ * before the next (term_decode_avx2_).  How many ranks or rows share a tile
  * changes no element's order.
  */
 #include "kernels.h"
@@ -120,7 +120,7 @@ INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f
 
 /* A decode (one position): nr ranks (k .. k+nr) over whole rows, nr <= 8 independent chains
  * (what two FMA ports of latency 4 need in flight) + the x vector + 1 A vector */
-INLINE_ void project_tile_(lora_run a, int64_t lda, int64_t cols, int64_t k, const int nr,
+INLINE_ void project_rows_avx2_(lora_run a, int64_t lda, int64_t cols, int64_t k, const int nr,
                            const void *x, float *t, const int f, const int xt) {
     float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* the finished column blocks' sums */
     const int64_t body = cols & ~(int64_t)7;
@@ -146,11 +146,11 @@ INLINE_ void project_tile_(lora_run a, int64_t lda, int64_t cols, int64_t k, con
 }
 
 /* ranks [k0, k1) of one position: tiles of 8 ranks, then one rank at a time */
-INLINE_ void project_decode_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+INLINE_ void project_decode_avx2_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                              const void *x, float *t, const int f, const int xt) {
     int64_t k = k0;
-    for (; k + 8 <= k1; k += 8) project_tile_(a, lda, cols, k, 8, x, t, f, xt);
-    for (; k < k1; k++) project_tile_(a, lda, cols, k, 1, x, t, f, xt);
+    for (; k + 8 <= k1; k += 8) project_rows_avx2_(a, lda, cols, k, 8, x, t, f, xt);
+    for (; k < k1; k++) project_rows_avx2_(a, lda, cols, k, 1, x, t, f, xt);
 }
 
 /* A batch (nb >= 2 positions) walks the columns in chunks of CHUNK_, and
@@ -168,7 +168,7 @@ INLINE_ void project_decode_(lora_run a, int64_t lda, int64_t cols, int64_t k0, 
 
 /* nr ranks (k .. k+nr) x nb positions over columns [j0, j1) (whole vectors);
  * the chains in state[r * nb + b] */
-INLINE_ void project_chunk_(lora_run a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
+INLINE_ void project_chunk_avx2_(lora_run a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
                             const int nr, const int nb, const void *const *xs, __m256 *state,
                             const int f, const int xt) {
     __m256 acc_f32x8[12];
@@ -198,21 +198,21 @@ INLINE_ void project_chunk_(lora_run a, int64_t lda, int64_t k, int64_t j0, int6
 /* ranks kg .. kg+kn over the whole-vector columns [j0, j1), in chunks of CHUNK_.  Called from
  * one place only: a second inlined copy (a separate loop for one-block rows) made GCC keep the
  * tile's chains in memory, 10 % more instructions on a 512-position prefill (callgrind) */
-INLINE_ void project_span_(lora_run a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
+INLINE_ void project_span_avx2_(lora_run a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
                            const int nr, const int nb, const void *const *xs, __m256 *state,
                            const int f, const int xt) {
     for (int64_t c0 = j0; c0 < j1; c0 += CHUNK_) {
         const int64_t c1 = c0 + CHUNK_ < j1 ? c0 + CHUNK_ : j1;
         int k = 0;
         for (; k + nr <= kn; k += nr)
-            project_chunk_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, f, xt);
+            project_chunk_avx2_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, f, xt);
         for (; k + 2 <= kn; k += 2)
-            project_chunk_(a, lda, kg + k, c0, c1, 2, nb, xs, state + k * nb, f, xt);
-        for (; k < kn; k++) project_chunk_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, f, xt);
+            project_chunk_avx2_(a, lda, kg + k, c0, c1, 2, nb, xs, state + k * nb, f, xt);
+        for (; k < kn; k++) project_chunk_avx2_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, f, xt);
     }
 }
 
-INLINE_ void project_batch_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+INLINE_ void project_batch_avx2_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                             const int nb, const void *const *xs, float *t, int64_t ldt,
                             const int f, const int xt) {
     const int nr = nb == 2 ? 6 : nb == 3 ? 4 : 3;
@@ -224,7 +224,7 @@ INLINE_ void project_batch_(lora_run a, int64_t lda, int64_t cols, int64_t k0, i
         int blocks = 0; /* column blocks (LORA_JBLOCK) finished: their sums are in t */
         for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) { /* one call site: see above */
             const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
-            project_span_(a, lda, kg, kn, jb, je, nr, nb, xs, state, f, xt);
+            project_span_avx2_(a, lda, kg, kn, jb, je, nr, nb, xs, state, f, xt);
             if (je < body) { /* a block ends and another follows: its sum joins t */
                 for (int k = 0; k < kn; k++)
                     for (int b = 0; b < nb; b++) {
@@ -249,17 +249,17 @@ INLINE_ void project_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t
                       int nb, const void *const *xs, float *t, int64_t ldt, const int f,
                       const int xt) {
     switch (nb) {  /* a constant nb keeps every chain of a tile in a register */
-    case 1: project_decode_(a, lda, cols, k0, k1, xs[0], t, f, xt); break;
-    case 2: project_batch_(a, lda, cols, k0, k1, 2, xs, t, ldt, f, xt); break;
-    case 3: project_batch_(a, lda, cols, k0, k1, 3, xs, t, ldt, f, xt); break;
-    default: project_batch_(a, lda, cols, k0, k1, 4, xs, t, ldt, f, xt); break;
+    case 1: project_decode_avx2_(a, lda, cols, k0, k1, xs[0], t, f, xt); break;
+    case 2: project_batch_avx2_(a, lda, cols, k0, k1, 2, xs, t, ldt, f, xt); break;
+    case 3: project_batch_avx2_(a, lda, cols, k0, k1, 3, xs, t, ldt, f, xt); break;
+    default: project_batch_avx2_(a, lda, cols, k0, k1, 4, xs, t, ldt, f, xt); break;
     }
 }
 
 /* outputs i .. i + 8*nv of nb positions, nv * nb <= 8 block chains (8 in flight for two
  * FMA ports of latency 4; an M load serves nb positions), their running totals (touched
  * once per LORA_KBLOCK FMAs, so a spill of them is cheap) and the operands */
-INLINE_ void term_tile_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+INLINE_ void term_tile_avx2_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                         const int nb, const float *u, int64_t ldu, const float *scale,
                         float *const *outs, int64_t obase, const int f) {
     __m256 total_f32x8[4][LORA_NB] = {{_mm256_setzero_ps()}}, block_f32x8[4][LORA_NB];
@@ -293,9 +293,9 @@ INLINE_ void term_tile_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const 
 
 /* A decode's outputs i .. i + 8 nv (nv = 1 or 2: one 64-byte line of a
  * float32 M row), their whole chain over the rank before the next: the
- * blocked chains of term_tile_ (kn a constant where it can be, see
- * term_decode_), the totals in registers, then out = fma(total, s, out). */
-INLINE_ void decode_vecs_(lora_run m, int64_t ldm, int64_t kdim, const int kn, int64_t i,
+ * blocked chains of term_tile_avx2_ (kn a constant where it can be, see
+ * term_decode_avx2_), the totals in registers, then out = fma(total, s, out). */
+INLINE_ void term_vecs_avx2_(lora_run m, int64_t ldm, int64_t kdim, const int kn, int64_t i,
                           const int nv, const float *u, float s, float *out, int64_t obase,
                           const int f) {
     __m256 total_f32x8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -318,28 +318,28 @@ INLINE_ void decode_vecs_(lora_run m, int64_t ldm, int64_t kdim, const int kn, i
 }
 
 /* One term of a decode (one position) over outputs [i0, i1), output i at
- * out[i - obase].  term_tile_'s tiles ask for 128 bytes of one M row after
+ * out[i - obase].  term_tile_avx2_'s tiles ask for 128 bytes of one M row after
  * another; here every 16 outputs walk all the rows, one line of each, in
  * order, which reads faster where the factors come from memory, as in a
- * model's decode step (the AVX-512 file's term_decode_; docs/performance.md,
+ * model's decode step (the AVX-512 file's term_decode_avx512_; docs/performance.md,
  * "The decode accumulate").  A rank of 16 (or 8) is one block of a constant
  * length, so each M load is its own instruction stepping one line at a time.
- * The arithmetic is term_tile_'s; the last outputs, term_lanes_'s. */
-INLINE_ void term_decode_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+ * The arithmetic is term_tile_avx2_'s; the last outputs, term_lanes_'s. */
+INLINE_ void term_decode_avx2_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                           const float *u, const float *scale, float *const *outs, int64_t obase,
                           const int f) {
     const float s = scale[0];
-    if (s == 0.0f) return; /* as term_tile_: a zero scale writes nothing */
+    if (s == 0.0f) return; /* as term_tile_avx2_: a zero scale writes nothing */
     float *out = outs[0];
     int64_t i = i0;
     if (kdim == 16) {
-        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, 16, 16, i, 2, u, s, out, obase, f);
+        for (; i + 16 <= i1; i += 16) term_vecs_avx2_(m, ldm, 16, 16, i, 2, u, s, out, obase, f);
     } else if (kdim == 8) {
-        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, 8, 8, i, 2, u, s, out, obase, f);
+        for (; i + 16 <= i1; i += 16) term_vecs_avx2_(m, ldm, 8, 8, i, 2, u, s, out, obase, f);
     } else {
-        for (; i + 16 <= i1; i += 16) decode_vecs_(m, ldm, kdim, 0, i, 2, u, s, out, obase, f);
+        for (; i + 16 <= i1; i += 16) term_vecs_avx2_(m, ldm, kdim, 0, i, 2, u, s, out, obase, f);
     }
-    for (; i + 8 <= i1; i += 8) decode_vecs_(m, ldm, kdim, 0, i, 1, u, s, out, obase, f);
+    for (; i + 8 <= i1; i += 8) term_vecs_avx2_(m, ldm, kdim, 0, i, 1, u, s, out, obase, f);
     term_lanes_(m, ldm, kdim, i, i1, 1, u, 1, scale, outs, obase, f);
 }
 
@@ -349,14 +349,14 @@ INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t
                       const int nb, const float *u, int64_t ldu, const float *scale,
                       float *const *outs, int64_t obase, const int f) {
     if (nb == 1) {
-        term_decode_(m, ldm, kdim, i0, i1, u, scale, outs, obase, f);
+        term_decode_avx2_(m, ldm, kdim, i0, i1, u, scale, outs, obase, f);
         return;
     }
     const int nv = nb <= 2 ? 4 : 2;
     int64_t i = i0;
     for (; i + 8 * nv <= i1; i += 8 * nv)
-        term_tile_(m, ldm, kdim, i, nv, nb, u, ldu, scale, outs, obase, f);
-    for (; i + 8 <= i1; i += 8) term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, f);
+        term_tile_avx2_(m, ldm, kdim, i, nv, nb, u, ldu, scale, outs, obase, f);
+    for (; i + 8 <= i1; i += 8) term_tile_avx2_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, f);
     /* the same blocked chains, one lane at a time */
     term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, f);
 }

@@ -45,9 +45,9 @@
  * accumulate tiles are nv row vectors x nb positions, nv * nb = 8 block
  * chains (each with its running total over rank blocks); a decode (nb = 1)
  * instead walks one vector of outputs (two for a bfloat16 M) through every
- * row of a rank block before the next (term_decode_), the same chains.
+ * row of a rank block before the next (term_decode_avx512_), the same chains.
  * Project walks columns in 512-wide chunks so the nb x rows stay in L1
- * across rank tiles (see project_nb_).
+ * across rank tiles (see project_nb_avx512_).
  */
 #include "kernels.h"
 
@@ -187,7 +187,7 @@ INLINE_ void load_x_pairs_(const void *x, int64_t j, __mmask32 mask, const int f
 
 /* nr ranks x nb positions (nr * nb <= 16) over columns [j0, j1) (whole
  * vectors); accumulators in state[r*nb + b] */
-INLINE_ void project_tile_(lora_run a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
+INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j0, int64_t j1,
                            const int nr, const int nb, const void *const *xs, __m512 *state,
                            const int f, const int xt) {
     __m512 acc_f32x16[16];
@@ -227,25 +227,25 @@ INLINE_ void project_tile_(lora_run a, int64_t lda, int64_t k, int64_t j0, int64
 /* ranks kg .. kg+kn over the whole-vector columns [j0, j1), in chunks of CHUNK_.  Called from
  * one place only: a second inlined copy (a separate loop for one-block rows) made GCC keep the
  * AVX2 file's tile chains in memory, 10 % more instructions on a 512-position prefill */
-INLINE_ void project_span_(lora_run a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
+INLINE_ void project_span_avx512_(lora_run a, int64_t lda, int64_t kg, int kn, int64_t j0, int64_t j1,
                            const int nr, const int nb, const void *const *xs, __m512 *state,
                            const int f, const int xt) {
     for (int64_t c0 = j0; c0 < j1; c0 += CHUNK_) {
         const int64_t c1 = c0 + CHUNK_ < j1 ? c0 + CHUNK_ : j1;
         int k = 0;
         for (; k + nr <= kn; k += nr)
-            project_tile_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, f, xt);
-        for (; k < kn; k++) project_tile_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, f, xt);
+            project_chunk_avx512_(a, lda, kg + k, c0, c1, nr, nb, xs, state + k * nb, f, xt);
+        for (; k < kn; k++) project_chunk_avx512_(a, lda, kg + k, c0, c1, 1, nb, xs, state + k * nb, f, xt);
     }
 }
 
-INLINE_ void project_nb_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+INLINE_ void project_nb_avx512_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                          const int nb, const void *const *xs, float *t, int64_t ldt,
                          const int f, const int xt) {
     /* nr * nb <= 16 accumulators (+ nb x vectors + 1 A vector <= 32 zmm) */
     const int nr = nb <= 2 ? 8 : 4;
     __m512 state[KGROUP_ * LORA_NB]; /* the current column block's chains */
-    /* whole vectors: 16 columns, or 32 for bfloat16 A (see project_tile_) */
+    /* whole vectors: 16 columns, or 32 for bfloat16 A (see project_chunk_avx512_) */
     const int64_t body = cols & ~(int64_t)(f == LORA_DTYPE_BF16 ? 31 : 15);
     for (int64_t kg = k0; kg < k1; kg += KGROUP_) {
         const int kn = (int)(k1 - kg < KGROUP_ ? k1 - kg : KGROUP_);
@@ -253,7 +253,7 @@ INLINE_ void project_nb_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int6
         int blocks = 0; /* column blocks (LORA_JBLOCK) finished: their sums are in t */
         for (int64_t jb = 0; jb < body; jb += LORA_JBLOCK) { /* one call site: see above */
             const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
-            project_span_(a, lda, kg, kn, jb, je, nr, nb, xs, state, f, xt);
+            project_span_avx512_(a, lda, kg, kn, jb, je, nr, nb, xs, state, f, xt);
             if (je < body) { /* a block ends and another follows: its sum joins t */
                 for (int k = 0; k < kn; k++)
                     for (int b = 0; b < nb; b++) {
@@ -311,10 +311,10 @@ INLINE_ void project_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t
                       int nb, const void *const *xs, float *t, int64_t ldt, const int f,
                       const int xt) {
     switch (nb) {  /* constant nb lets the compiler keep every accumulator in a register */
-    case 1: project_nb_(a, lda, cols, k0, k1, 1, xs, t, ldt, f, xt); break;
-    case 2: project_nb_(a, lda, cols, k0, k1, 2, xs, t, ldt, f, xt); break;
-    case 3: project_nb_(a, lda, cols, k0, k1, 3, xs, t, ldt, f, xt); break;
-    default: project_nb_(a, lda, cols, k0, k1, 4, xs, t, ldt, f, xt); break;
+    case 1: project_nb_avx512_(a, lda, cols, k0, k1, 1, xs, t, ldt, f, xt); break;
+    case 2: project_nb_avx512_(a, lda, cols, k0, k1, 2, xs, t, ldt, f, xt); break;
+    case 3: project_nb_avx512_(a, lda, cols, k0, k1, 3, xs, t, ldt, f, xt); break;
+    default: project_nb_avx512_(a, lda, cols, k0, k1, 4, xs, t, ldt, f, xt); break;
     }
 }
 
@@ -323,7 +323,7 @@ INLINE_ void project_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t
  * totals + nv + 1 operands <= 25 zmm, or, when the rank fits one block
  * (one_block: kdim <= LORA_KBLOCK, the common case), nv * nb <= 16 sums and
  * no totals: the same arithmetic, since the first block's sum is the total */
-INLINE_ void term_tile_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+INLINE_ void term_tile_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                         __mmask16 last, const int nb, const float *u, int64_t ldu,
                         const float *scale, float *const *outs, int64_t obase, const int f,
                         const int one_block) {
@@ -390,13 +390,13 @@ INLINE_ void term_tile_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const 
 /* A decode's outputs [i, i1) (output i at out[i - obase]) from one rank
  * block of kn ranks of M starting at row k0 (u_f32x16: the block's u
  * broadcast): each vector of 16 outputs (32 for a bfloat16 M, its even and
- * odd lanes as in term_tile_) takes its whole chain before the next.  With
+ * odd lanes as in term_tile_avx512_) takes its whole chain before the next.  With
  * `total` NULL the block is the whole rank and out = fma(chain, s, out);
  * otherwise the chain goes to total[] (out's strip: set at k0 = 0, added to
- * after).  kn is a constant where it can be (decode_block_any_), so each M
+ * after).  kn is a constant where it can be (term_block_any_avx512_), so each M
  * load is its own instruction stepping one line a vector, which the
  * hardware prefetchers follow. */
-INLINE_ void decode_block_(lora_run m, int64_t ldm, int64_t k0, const int kn, int64_t i,
+INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int kn, int64_t i,
                            int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
                            int64_t obase, float *total, const int f) {
     const int64_t i_start = i;
@@ -439,38 +439,38 @@ INLINE_ void decode_block_(lora_run m, int64_t ldm, int64_t k0, const int kn, in
     }
 }
 
-/* decode_block_ with kn a constant for the common ranks */
-#define DECODE_KN_CASE_(KN) \
-    case KN: decode_block_(m, ldm, k0, KN, i0, i1, u_f32x16, s_f32x16, out, obase, total, f); break;
-INLINE_ void decode_block_any_(lora_run m, int64_t ldm, int64_t k0, int kn, int64_t i0,
+/* term_block_avx512_ with kn a constant for the common ranks */
+#define TERM_KN_CASE_(KN) \
+    case KN: term_block_avx512_(m, ldm, k0, KN, i0, i1, u_f32x16, s_f32x16, out, obase, total, f); break;
+INLINE_ void term_block_any_avx512_(lora_run m, int64_t ldm, int64_t k0, int kn, int64_t i0,
                                int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
                                int64_t obase, float *total, const int f) {
     switch (kn) {
-    DECODE_KN_CASE_(16) DECODE_KN_CASE_(8) DECODE_KN_CASE_(4)
-    default: decode_block_(m, ldm, k0, kn, i0, i1, u_f32x16, s_f32x16, out, obase, total, f); break;
+    TERM_KN_CASE_(16) TERM_KN_CASE_(8) TERM_KN_CASE_(4)
+    default: term_block_avx512_(m, ldm, k0, kn, i0, i1, u_f32x16, s_f32x16, out, obase, total, f); break;
     }
 }
-#undef DECODE_KN_CASE_
+#undef TERM_KN_CASE_
 
 /* One term of a decode (one position) over outputs [i0, i1), output i at
- * outs[0][i - obase].  term_tile_'s 128-output tiles ask for 512 bytes of one
+ * outs[0][i - obase].  term_tile_avx512_'s 128-output tiles ask for 512 bytes of one
  * M row after another; here every vector of outputs walks all the rows of a
  * rank block, one line of each, in order.  On a decode whose factors come
  * from memory, as in a model's decode step, that reads faster (a cold Zen 4
  * decode: 0.78-0.90x the tiles' time), and as fast where M sits in L2
  * (docs/performance.md, "The decode accumulate").  The arithmetic is
- * term_tile_'s: blk_m chains from 0 over k ascending, total = (blk_0 + blk_1)
+ * term_tile_avx512_'s: blk_m chains from 0 over k ascending, total = (blk_0 + blk_1)
  * + ..., out = fma(total, s, out); past one rank block the running totals
  * wait in a strip in L1. */
 #define DECODE_STRIP_ 1024
-INLINE_ void term_decode_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+INLINE_ void term_decode_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                           const float *u, float s, float *out, int64_t obase, const int f) {
-    if (s == 0.0f) return; /* as term_tile_: a zero scale writes nothing */
+    if (s == 0.0f) return; /* as term_tile_avx512_: a zero scale writes nothing */
     const __m512 s_f32x16 = _mm512_set1_ps(s);
     __m512 u_f32x16[LORA_KBLOCK];
     if (kdim <= LORA_KBLOCK) {
         for (int64_t k = 0; k < kdim; k++) u_f32x16[k] = _mm512_set1_ps(u[k]);
-        decode_block_any_(m, ldm, 0, (int)kdim, i0, i1, u_f32x16, s_f32x16, out, obase, NULL, f);
+        term_block_any_avx512_(m, ldm, 0, (int)kdim, i0, i1, u_f32x16, s_f32x16, out, obase, NULL, f);
         return;
     }
     float total[DECODE_STRIP_] __attribute__((aligned(64)));
@@ -479,7 +479,7 @@ INLINE_ void term_decode_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int
         for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
             const int kn = (int)(kdim - k0 < LORA_KBLOCK ? kdim - k0 : LORA_KBLOCK);
             for (int k = 0; k < kn; k++) u_f32x16[k] = _mm512_set1_ps(u[k0 + k]);
-            decode_block_any_(m, ldm, k0, kn, i, i + n, u_f32x16, s_f32x16, out, obase, total, f);
+            term_block_any_avx512_(m, ldm, k0, kn, i, i + n, u_f32x16, s_f32x16, out, obase, total, f);
         }
         for (int64_t j = 0; j < n; j += 16) {
             const __mmask16 mask = j + 16 <= n ? (__mmask16)0xffff : tail_mask_(n - j);
@@ -493,27 +493,27 @@ INLINE_ void term_decode_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int
 INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                       const int nb, const float *u, int64_t ldu, const float *scale,
                       float *const *outs, int64_t obase, const int f) {
-    /* a decode walks M in order (term_decode_); past one rank block a half M keeps the
+    /* a decode walks M in order (term_decode_avx512_); past one rank block a half M keeps the
      * tiles, whose even/odd and per-16 widenings the walk's strip of totals slowed by
      * 19 % where M sits in L2 (bfloat16 rank 64) */
     if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32)) {
-        term_decode_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, f);
+        term_decode_avx512_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, f);
         return;
     }
     int64_t i = i0;
     if (kdim <= LORA_KBLOCK) {
         const int nv = nb <= 2 ? 8 : 4;
         for (; i + 16 * nv <= i1; i += 16 * nv)
-            term_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 1);
+            term_tile_avx512_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 1);
     } else {
         const int nv = nb == 1 ? 8 : nb == 2 ? 4 : 2;
         for (; i + 16 * nv <= i1; i += 16 * nv)
-            term_tile_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 0);
+            term_tile_avx512_(m, ldm, kdim, i, nv, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 0);
     }
     for (; i + 16 <= i1; i += 16)
-        term_tile_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 0);
+        term_tile_avx512_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 0);
     if (i < i1)
-        term_tile_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, obase, f, 0);
+        term_tile_avx512_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, obase, f, 0);
 }
 
 #include "kernels_quads.h"

@@ -169,7 +169,7 @@ INLINE_ void project_tile_(lora_run a, int64_t lda, int64_t cols, int64_t k, con
 }
 
 /* outputs i .. i + 4*nv of nb positions; nv in {1, 4}, nb in {1, 2} */
-INLINE_ void term_tile_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
+INLINE_ void term_tile_neon_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, const int nv,
                         const int nb, const float *u, int64_t ldu, const float *scale,
                         float *const *outs, int64_t obase, const int f) {
     float32x4_t total_f32x4[4][2], block_f32x4[4][2];
@@ -209,8 +209,8 @@ INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t
                       const int nb, const float *u, int64_t ldu, const float *scale,
                       float *const *outs, int64_t obase, const int f) {
     int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) term_tile_(m, ldm, kdim, i, 4, nb, u, ldu, scale, outs, obase, f);
-    for (; i + 4 <= i1; i += 4) term_tile_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, f);
+    for (; i + 16 <= i1; i += 16) term_tile_neon_(m, ldm, kdim, i, 4, nb, u, ldu, scale, outs, obase, f);
+    for (; i + 4 <= i1; i += 4) term_tile_neon_(m, ldm, kdim, i, 1, nb, u, ldu, scale, outs, obase, f);
     /* the same blocked chains, one lane at a time */
     term_lanes_(m, ldm, kdim, i, i1, nb, u, ldu, scale, outs, obase, f);
 }
