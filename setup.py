@@ -1,10 +1,11 @@
 # Two extensions:
 # - lora._lora_cffi, the C library and its cffi bindings (_cffi_build.py; pyproject.toml alone
 #   cannot carry `cffi_modules`);
-# - lora._edge (csrc/python/edge.c), LoraDelta's decode and prefill entries as CPython functions
-#   that read a NumPy array's or a torch tensor's facts in C and call the library through
-#   pointers lora._lora_cffi hands over, and (csrc/python/edge_peft.h) accelerate_peft's short
-#   path of a PEFT LoRA Linear layer; it needs NumPy's headers to build, not to run.
+# - lora._edge (csrc/python/edge.c), the one edge every apply method takes first: CPython
+#   functions that read a NumPy array's or a torch tensor's facts in C and call lora_apply
+#   through the pointer lora._lora_cffi hands over, and (csrc/python/edge_peft.h)
+#   accelerate_peft's short path of a PEFT LoRA Linear layer; it includes only lora.h of the
+#   library, and needs NumPy's headers to build, not to run.
 #
 # Both use only the stable ABI of CPython 3.9 (cffi defines Py_LIMITED_API; edge.c defines it
 # itself), so the wheel is tagged cp39-abi3: one wheel per platform serves CPython 3.9 and
@@ -28,8 +29,7 @@ edge = Extension(
     "lora._edge",
     sources=[os.path.join("csrc", "python", "edge.c")],
     include_dirs=["csrc", numpy.get_include()],
-    depends=[os.path.join("csrc", name) for name in ("lora.h", "kernels.h")]
-    + [os.path.join("csrc", "python", "edge_peft.h")],
+    depends=[os.path.join("csrc", "lora.h"), os.path.join("csrc", "python", "edge_peft.h")],
     extra_compile_args=_cflags,
     extra_link_args=_ldflags,
     py_limited_api=True,

@@ -39,7 +39,7 @@ from . import _dtypes as dtypes
 from ._entries import EntryTable
 from .accelerate import ServedLayer, hook_reason
 from .delta import LoraDelta
-from .experts import LoraExperts, apply_experts
+from .experts import LoraExperts
 from .scale import F32_OVERFLOW, LoraScale
 
 __all__ = ["Kind", "Layer"]
@@ -476,7 +476,7 @@ class Layer(ServedLayer):
                 experts.add_to(x, out, ids_g)
             return
         table, seq = terms
-        apply_experts(table, x, out, ids_g, seq.index_select(0, seq_g))
+        table.apply_experts(x, out, ids_g, seq.index_select(0, seq_g))
 
 
 def _version(t):

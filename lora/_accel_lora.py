@@ -20,9 +20,7 @@ import numpy as np
 from . import _arrays as arrays
 from . import _edge
 from . import _dtypes as dtypes
-from ._dispatch import address
 from ._entries import EntryTable
-from ._lora_cffi import ffi, lib
 from .accelerate import ServedLayer, hook_reason
 from .delta import LoraDelta
 from .dora import DoraDelta
@@ -32,10 +30,7 @@ from .stack import LoraStack
 __all__ = ["Kind", "Layer", "Plan"]
 
 _CALLED = ("lora_dropout", "lora_A", "lora_B")  # the ModuleDicts a Linear's forward calls into
-from . import _calls
-_add_batch_at = _calls.lora_add_batch_at
 _plan_run = _edge.plan_run
-_cast, _VOIDP, NULL = ffi.cast, ffi.typeof("void *"), ffi.NULL
 _CODE_PAIRS = {}  # (A dtype code, B dtype code) tuples, shared by every plan
 
 
@@ -686,48 +681,38 @@ class Layer(ServedLayer):
 
 
 class Plan:
-    """A Linear layer's short path: the active plain-LoRA adapters' stack, valid while none of
-    what PEFT's forward depends on has moved: the active adapters, disable/merge state, the
-    adapters' modules (the same objects of the same classes, no hooks on them, none global, no
-    forward set on the instance, bias-free factors) and parameters (and where their data
-    lives), their scaling, training mode with dropout, autograd not recording, and the input's
-    number of axes.  Anything else: None, and the full path runs (and may build a new plan).
-    The base layer is the module's at each call.  DoRA adapters (on a layer without a bias)
-    also hold it while the base weight, the magnitudes, A and B keep their objects, data and
-    version counters (what their statistics were made from).
+    """A Linear layer's short path: the active adapters' stack (or one mixed batch's bank),
+    valid while none of what PEFT's forward depends on has moved: the active adapters,
+    disable/merge state, the adapters' modules (the same objects of the same classes, no hooks
+    on them, none global, no forward set on the instance, bias-free factors) and parameters
+    (and where their data lives), their scaling, training mode with dropout, autograd not
+    recording for them, and the input's number of axes.  The base layer is the module's at
+    each call.
 
-    What cannot change while the plan holds is read once, here: the C call's arguments (the
-    stack's deltas and their scales: the views' scales are set only by the full path, which
-    drops the plan first), its shape, the dtype codes.  At each call only x and the base
-    layer's fresh result are checked (plain contiguous CPU tensors of the stack's shapes,
-    without the neg bit, an out that does not require grad), then one C call: one adapter
-    (the common case) through ``lora_add_batch_at`` on the data pointers, bit for bit the
-    stack's call (one entry of one delta, its scale rounded once to float32), several through
-    the stack's call.  Anything else, or a status other than 0, goes to the entry table's
-    checked path, which raises the precise error.
+    The checks run in C, once (``lora._edge.plan_run``, csrc/python/edge_peft.h), in the
+    order of the full path's: anything moved, or an x it does not take, declines the call
+    before the base layer runs (``run`` answers None and the layer's full path takes the call,
+    and may leave a new plan); a base result the kernels do not take in place, or a C refusal,
+    goes to `_tail`.  What cannot change while the plan holds is read once, here: the table's
+    view and scales (the views' scales are set only by the full path, which drops the plan
+    first), the dtype codes.
 
-    A mixed plan (``adapter_names``: one PEFT mixed batch, row b on its own adapter) holds the
-    same while the batch's composition is the same: the entry table of its adapters, one id per
-    row, and the names it lacks (still absent from the layer); it runs in C only, and anything
-    else goes to the full path.
+    DoRA adapters (on a layer without a bias) are members with a row-factor epilogue; the plan
+    also holds while the base weight, the magnitudes, A and B keep their objects, data and
+    version counters (what their statistics were made from), which `_held` checks, called from
+    C.  A mixed plan (``adapter_names``: one PEFT mixed batch, row b on its own adapter) holds
+    the same while the batch's composition is the same: the entry table of its adapters, one id
+    per row, and the names it lacks (still absent from the layer)."""
 
-    A plain plan (no DoRA) runs first in C (``lora._edge.plan_run``, csrc/python/edge_peft.h):
-    the same checks in the same order, the base call, the same tail.  It declines grad mode and
-    any x it does not take before the base call (``run`` then goes on in Python from the start),
-    and hands a base result it does not take, or a C refusal, to `_tail`."""
-
-    __slots__ = ("layer", "module", "active", "names", "mods", "params", "keys", "scalings",
-                 "table", "tensor", "grad_enabled", "bump", "codes", "ok",
-                 "ndim", "hooks", "dora", "rows", "cols", "single", "args", "c", "ids", "types",
-                 "adapter_names")
+    __slots__ = ("layer", "module", "active", "names", "params", "keys", "scalings", "table",
+                 "grad_enabled", "ok", "dora", "hooks", "c", "ids", "adapter_names")
 
     def __init__(self, layer, names, ndim, adapter_names=None):
         m = layer.module
         self.layer, self.module = layer, m
         torch = layer.acc._torch
-        self.tensor, self.grad_enabled = torch.Tensor, torch.is_grad_enabled
-        self.codes = arrays.TORCH_CODES or arrays.torch_init()
-        self.bump = arrays.version_bump()
+        self.grad_enabled = torch.is_grad_enabled
+        codes = arrays.TORCH_CODES or arrays.torch_init()
         # What the plan checks is read here, once, from the live state, which another thread
         # may change meanwhile: the plan is kept (``ok``) only when what it read agrees with
         # itself (the adapters with the active value, the views with the tensors, the scales
@@ -737,10 +722,10 @@ class Plan:
         self.names = tuple(names)                                            # caller's list
         lora_a, lora_b = m._modules["lora_A"]._modules, m._modules["lora_B"]._modules
         drops = m._modules["lora_dropout"]._modules
-        self.mods = tuple((lora_a[a], lora_b[a], drops[a]) for a in names)
-        self.types = tuple(tuple(type(mod) for mod in ms) for ms in self.mods)
+        mods = tuple((lora_a[a], lora_b[a], drops[a]) for a in names)
+        types = tuple(tuple(type(mod) for mod in ms) for ms in mods)
         self.params = tuple((ma._parameters["weight"], mb._parameters["weight"])
-                            for ma, mb, _ in self.mods)
+                            for ma, mb, _ in mods)
         self.scalings = tuple(m.scaling[a] for a in names)
         pairs = [layer.views.get(a) for a in names]  # (key, view): one read each
         self.keys = tuple(p[0] if p is not None else None for p in pairs)
@@ -769,140 +754,58 @@ class Plan:
                 watch.append((a, mag, type(mag), ts,
                               tuple((t.data_ptr(), t._version) for t in ts)))
         self.dora = tuple(watch)
-        self.ndim = ndim
         self.hooks = layer.acc._module_globals
-        self.rows, self.cols = table.base_shape
-        self.single = None  # (lora_delta *, float scale) for the one-adapter call
-        self.args = None    # the stack call's fixed arguments (n_kernel, first, ptrs, scales)
-        self.c = None       # plan_run's tuple (the fields of csrc/python/edge_peft.h, in order)
-        if not self.dora:
+        try:
             scales = table.scales()
-            self.ok = self.ok and [scales[i] for i in range(len(names))] == [
-                float(v) for v in self.scalings]
-            if table.n_kernel == 1 and len(table.members) == 1 and self.ids is None:
-                self.single = (table.members[0].ptr, scales[0])
-            self.args = (table.n_kernel, table.first, table.ptrs, scales)
-            single = self.single
-            codes = self.codes
-            pairs = tuple(_CODE_PAIRS.setdefault((codes[k[2]], codes[k[3]]), (codes[k[2]], codes[k[3]]))
-                          for k in self.keys)
-            self.c = (m, self.active, self.names, self.mods, self.params, self.keys, pairs,
-                      self.scalings, ndim, self.rows, self.cols, self.hooks,
-                      address(single[0]) if single is not None else 0,
-                      float(single[1]) if single is not None else 0.0,
-                      table._edge, table._scales_pair, self.ids, absent, table, self.types)
+        except ValueError:  # a DoRA row factor that cannot be made: the full path says so
+            self.ok, scales = False, None
+        self.ok = self.ok and table.edge_view() is not None and [
+            scales[i] for i in range(len(names))] == [float(v) for v in self.scalings]
+        self.c = None  # plan_run's tuple (the fields of csrc/python/edge_peft.h, in order)
+        if self.ok:
+            code_pairs = tuple(_CODE_PAIRS.setdefault((codes[k[2]], codes[k[3]]),
+                                                      (codes[k[2]], codes[k[3]]))
+                               for k in self.keys)
+            self.c = (m, self.active, self.names, mods, self.params, self.keys, code_pairs,
+                      self.scalings, ndim, self.hooks, table.edge_view(), table.edge_scales(),
+                      self.ids, absent, table, types, self._held if self.dora else None)
 
     def run(self, x):
-        c = self.c
-        if c is not None:
-            got = _plan_run(c, x)
-            if got is not None:
-                return got if type(got) is not tuple else self._tail(x, got[0], got[1])
-        if self.ids is not None:  # a mixed batch: the full path
-            return None
+        """The layer's output, or None: the full path takes the call."""
+        got = _plan_run(self.c, x)
+        if type(got) is tuple:
+            return self._tail(x, got[0], got[1])
+        return got
+
+    def _held(self):
+        """Whether what the DoRA statistics were made from is still what they read: the
+        magnitude modules (the same objects of the same classes, no hooks on them, no forward
+        set on the instance) and the base weight, magnitudes, A and B (objects, data pointers,
+        version counters); and in grad mode, magnitudes that do not require grad."""
         m = self.module
-        d = m.__dict__
-        if (d.get("_active_adapter") != self.active or d.get("_disable_adapters")
-                or d.get("merged_adapters")):
-            return None
-        tensor = self.tensor
-        if type(x) is not tensor or not x.is_cpu or x.dim() != self.ndim:
-            return None
-        base = m._modules["base_layer"]
-        if self.grad_enabled() and (x.requires_grad or any(
-                pa.requires_grad or pb.requires_grad for pa, pb in self.params) or any(
-                p.requires_grad for p in base.parameters())):
-            return None
-        g = self.hooks
-        if g._global_forward_hooks or g._global_forward_pre_hooks:
-            return None
-        lora_a = m._modules["lora_A"]._modules
-        lora_b = m._modules["lora_B"]._modules
-        drops = m._modules["lora_dropout"]._modules
-        scaling = m.scaling
-        for a, (ma, mb, md), (pa, pb), key, s, (tya, tyb, tyd) in zip(
-                self.names, self.mods, self.params, self.keys, self.scalings, self.types):
-            if (lora_a.get(a) is not ma or lora_b.get(a) is not mb or drops.get(a) is not md
-                    or type(ma) is not tya or type(mb) is not tyb or type(md) is not tyd
-                    or "forward" in ma.__dict__ or "forward" in mb.__dict__
-                    or "forward" in md.__dict__ or ma._parameters.get("bias", 0) is not None
-                    or mb._parameters.get("bias", 0) is not None or "bias" in ma.__dict__
-                    or "bias" in mb.__dict__
-                    or ma._forward_hooks or ma._forward_pre_hooks or mb._forward_hooks
-                    or mb._forward_pre_hooks or md._forward_hooks or md._forward_pre_hooks
-                    or ma._parameters.get("weight") is not pa
-                    or mb._parameters.get("weight") is not pb
-                    or _key(pa, pb) != key or scaling[a] != s
-                    or (md.training and getattr(md, "p", 0))):
-                return None
-        if self.dora:
-            mags = m._modules["lora_magnitude_vector"]._modules
-            weight = base._parameters.get("weight")
-            for a, mag, tym, ts, seen in self.dora:
-                if (mags.get(a) is not mag or type(mag) is not tym or "forward" in mag.__dict__
-                        or ts[0] is not weight
-                        or mag._parameters.get("weight") is not ts[1]
-                        or mag._forward_hooks or mag._forward_pre_hooks
-                        or any((t.data_ptr(), t._version) != v for t, v in zip(ts, seen))):
-                    return None
-                if self.grad_enabled() and ts[1].requires_grad:
-                    return None
-        return self._tail(x, base(x), base)
+        mags = m._modules["lora_magnitude_vector"]._modules
+        weight = m._modules["base_layer"]._parameters.get("weight")
+        grad = self.grad_enabled()
+        for a, mag, tym, ts, seen in self.dora:
+            if (mags.get(a) is not mag or type(mag) is not tym or "forward" in mag.__dict__
+                    or ts[0] is not weight or mag._parameters.get("weight") is not ts[1]
+                    or mag._forward_hooks or mag._forward_pre_hooks
+                    or any((t.data_ptr(), t._version) != v for t, v in zip(ts, seen))
+                    or (grad and ts[1].requires_grad)):
+                return False
+        return True
 
     def _tail(self, x, result, base):
-        """After the base call: the LoRA term into `result` (the base layer's output); a result
-        the kernels do not take gets PEFT's own sum (`Layer.peft_tail`, `peft_mixed_tail`)."""
-        codes = self.codes
-        oc = codes.get(getattr(result, "dtype", None))  # not a tensor: PEFT's sum says what
+        """After the base call: the LoRA term into `result` (the base layer's output) through
+        the table's call, edge first; a result the kernels do not take gets PEFT's own sum
+        (`Layer.peft_tail`, `peft_mixed_tail`)."""
         layer = self.layer
-        if oc is None:
+        if (arrays.TORCH_CODES.get(getattr(result, "dtype", None)) is None
+                or not layer.takes(x, result, self.names)):
             return self._peft(x, result)
-        if self.ids is not None:  # a mixed batch C did not take: the checked bank call
-            if not layer.takes(x, result, self.names):
-                return self._peft(x, result)
-            fresh = _writable(result, x, base, self.hooks)
-            self.table.apply_batch(x, fresh, self.ids)
-            return _in_place(result, fresh)
-        args, tensor = self.args, self.tensor
-        if args is not None and type(result) is tensor and not base._forward_hooks:
-            # the fast tail: x and result as plain contiguous CPU tensors of the stack's shapes
-            xc = codes.get(x.dtype)
-            xs, os_ = x.shape, result.shape
-            cols, rows = self.cols, self.rows
-            nd = self.ndim
-            if nd == 3:
-                lead = len(os_) == 3 and xs[0] == os_[0] and xs[1] == os_[1]
-                n = xs[0] * xs[1]
-            elif nd == 2:
-                lead = len(os_) == 2 and xs[0] == os_[0]
-                n = xs[0]
-            else:
-                lead = len(os_) == nd and xs[:-1] == os_[:-1]
-                n = x.numel() // cols if cols else 0
-            if (xc is not None and lead and xs[-1] == cols and os_[-1] == rows and cols > 1
-                    and rows > 1 and result.is_cpu and not result.requires_grad
-                    and x.is_contiguous() and result.is_contiguous() and not x.is_neg()
-                    and not result.is_neg()):
-                if not n:
-                    return result
-                if self.grad_enabled():
-                    self.bump((result,))
-                single = self.single
-                if single is not None:
-                    status = _add_batch_at(single[0], single[1], n, x.data_ptr(), xc, cols,
-                                           result.data_ptr(), oc, rows)
-                else:
-                    status = self.table._c_batch(
-                        args[0], args[1], args[2], args[3], NULL, NULL, 1, rows, cols, n,
-                        _cast(_VOIDP, x.data_ptr()), xc, cols, _cast(_VOIDP, result.data_ptr()),
-                        oc, rows, NULL)
-                if status == 0:
-                    return result
-        if not layer.takes(x, result, self.names):
-            return self._peft(x, result)
-        result = _writable(result, x, base, self.hooks)
-        self.table.apply_batch(x, result)  # the checked path: anything else, or a refusal
-        return result
+        fresh = _writable(result, x, base, self.hooks)
+        self.table.apply_batch(x, fresh, self.ids)
+        return fresh if self.ids is None else _in_place(result, fresh)
 
     def _peft(self, x, result):
         """PEFT's own sum on a base result the kernels do not take (`Layer.takes`).  The layer

@@ -237,6 +237,10 @@ def check_out(out, shape, what="out", shown=None, *, batched=False):
     else:
         if not out.flags.writeable:
             raise ValueError(f"{what} is read-only; it must be a writeable array")
+        if out.flags.c_contiguous and out.size:
+            # NumPy's own request to write (what lora._edge declines for a view NumPy marks
+            # deprecated-writeable, e.g. of np.broadcast_arrays: NumPy warns here, once)
+            ffi.from_buffer(out, require_writable=True)
         ptr, strides, size = out.__array_interface__["data"][0], _np_strides(out), out.itemsize
         if not out.flags.aligned:
             strides = None

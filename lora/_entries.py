@@ -28,29 +28,22 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import _apply
 from . import _arrays as arrays
-from . import _dispatch as dispatch
 from . import _edge
-from ._dispatch import (CHARS, DECLINE, DOUBLES, ERR_ALIGN, INT64S, NULL, address, fast_code,
-                        from_buffer, ndarray)
 from . import scale as _scale_mod
+from ._apply import address
 from ._lora_cffi import ffi, lib
 from .errors import LoraShapeError
 
-__all__ = ["Member", "entry_type", "entry_types", "stackable_types", "owners", "EntryTable",
-           "with_scales"]
+__all__ = ["Member", "entry_type", "entry_types", "stackable_types", "owners", "EntryTable"]
 
-_F64 = np.dtype(np.float64)
-_I64 = arrays.I64
-from . import _calls
-_lora_apply_batch = _calls.lora_apply_batch
-_lora_apply_rows = _calls.lora_apply_rows
-_lora_apply_batch_dora = _calls.lora_apply_batch_dora
-_lora_apply_rows_dora = _calls.lora_apply_rows_dora
 _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
 _EPOCH = _scale_mod.epoch
-_edge_apply = _edge.apply_batch
+_edge_apply = _edge.apply
 _F32_OVERFLOW = _scale_mod.F32_OVERFLOW
+_ROW_FACTOR = lib.LORA_EPI_ROW_FACTOR
+_GATHER_OPS = (_apply.OP_ROW, _apply.OP_ROWS)
 
 
 class Member(NamedTuple):
@@ -110,16 +103,19 @@ def _shown(shape, expert_shape):
 
 class EntryTable:
     """The C view of a list of entries (see the module docstring): the flat delta pointers,
-    where each kernel entry starts, and the effective scales read once per call.  A
-    `LoraStack` is a table of one entry, a `LoraBank` one of many; adapter sets build theirs
-    per target.  ``routed``: entries may give several kernel entries each (the apply methods
-    then take kernel-entry ids).
+    where each kernel entry starts, the epilogue of each member, and the effective scales read
+    once per call.  A `LoraStack` is a table of one entry, a `LoraBank` one of many; adapter
+    sets build theirs per target.  ``routed``: entries may give several kernel entries each
+    (experts: the apply methods then route with expert ids).
+
+    Every apply goes through `apply`: the edge (lora._edge) first, with this table's view,
+    then lora._apply's checked path, for which the table is the target.
     """
 
     __slots__ = ("_entries", "_shape", "_expert_shape", "_what", "_routed", "stale", "members",
                  "ptrs", "first", "starts", "starts_c", "n_kernel", "_scale_objs", "_scale_idx",
-                 "_factors", "_values", "_scales_c", "_epoch", "_c_batch", "_c_rows", "_dora",
-                 "_fac_cache", "_edge", "_scales_pair", "__weakref__")
+                 "_factors", "_values", "_scales_c", "_epoch", "_epi", "_epi_kinds", "_epi_op",
+                 "_epi_data", "_view", "_scales_pair", "__weakref__")
 
     def __init__(self, entries, what="bank entry", *, routed=False):
         self._entries = list(entries)
@@ -182,13 +178,16 @@ class EntryTable:
             self._scale_idx.append(k)
         self._factors = [m.factor for m in members]
         self.members = members
-        # members with a row factor (DoRA): the C calls then carry the factor table
-        self._dora = [q for q, m in enumerate(members) if m.extra is not None]
-        self._fac_cache = None
-        if self._dora:
-            self._c_batch, self._c_rows = self._dora_batch, self._dora_rows
-        else:
-            self._c_batch, self._c_rows = _lora_apply_batch, _lora_apply_rows
+        # members with an epilogue (a DoRA row factor: the member's extra makes its data)
+        self._epi = [q for q, m in enumerate(members) if m.extra is not None]
+        self._epi_kinds = self._epi_op = None
+        if self._epi:
+            self._epi_kinds = ffi.new("uint8_t[]", [_ROW_FACTOR if m.extra is not None else 0
+                                                    for m in members])
+            gathers = {m.extra._gathers for m in members if m.extra is not None}
+            # the op the members' epilogue data serves (-1: members for both, none served)
+            self._epi_op = ((_apply.OP_ROWS if gathers == {True} else _apply.OP_BATCH)
+                            if len(gathers) == 1 else -1)
         self.ptrs = ffi.new("lora_delta *[]", [m.ptr for m in members])
         self.first = ffi.new("int64_t[]", first)
         self.n_kernel = len(first) - 1
@@ -197,12 +196,20 @@ class EntryTable:
         self._values = None
         self._epoch = None
         self._scales_pair = None
-        # lora._edge's view of a plain table (DoRA members need their factor tables: Python's
-        # path): the numbers and addresses, and the arrays they point into, kept alive by it
-        self._edge = None
-        if not self._dora and self._shape is not None and self.n_kernel:
-            self._edge = (self.n_kernel, address(self.first), address(self.ptrs),
-                          self._shape[0], self._shape[1], self.first, self.ptrs)
+        self._epi_data = None
+        # lora._edge's view of the table (the numbers and addresses, and the arrays they point
+        # into, kept alive by it); None while no entry holds a delta
+        self._view = None
+        if self._shape is not None and self.n_kernel:
+            eshape = self._expert_shape
+            self._view = _edge.view(self.n_kernel, address(self.first), address(self.ptrs),
+                                    self._shape[0], self._shape[1],
+                                    address(self._epi_kinds) if self._epi else 0,
+                                    self._epi_op if self._epi else -1,
+                                    len(self._entries) if eshape is not None else 0,
+                                    address(self.starts_c) if eshape is not None else 0,
+                                    eshape[0] if eshape is not None else 0,
+                                    (self.first, self.ptrs, self._epi_kinds, self.starts_c))
         self.stale = False
 
     @property
@@ -240,7 +247,8 @@ class EntryTable:
     def scales(self):
         """double[] of each member's effective scale; each distinct LoraScale read once, and only
         when some LoraScale was set since the last call (the array is never changed in place:
-        a call that runs meanwhile keeps the values it read)."""
+        a call that runs meanwhile keeps the values it read).  The members' epilogue data for
+        these scales is made with them."""
         epoch = _EPOCH[0]
         if epoch == self._epoch:
             return self._scales_c
@@ -248,205 +256,114 @@ class EntryTable:
         if values != self._values or self._scales_pair is None:
             idx, factors = self._scale_idx, self._factors
             c = ffi.new("double[]", [values[k] * f for k, f in zip(idx, factors)])
-            self._scales_c, self._scales_pair = c, (address(c), c)  # the pair: lora._edge's
+            epi = self._epi_table(c) if self._epi and self._epi_op != -1 else None
+            self._scales_c, self._epi_data = c, epi
+            self._scales_pair = (address(c), address(epi[0]) if epi is not None else 0, c, epi)
             self._values = values
         self._epoch = epoch
         return self._scales_c
 
-    # ------------------------------------------------------- row factors (DoRA)
-    def _factor_table(self, scales, idp, posp, every, n, gather):
-        """(float *[] of row factors, stride, the factors' buffers to keep alive during the
-        call) for lora_apply_*_dora: per member, or with
-        per-position scales per adapter id and member; each DoRA member's factor for the
-        float32 scale the kernels use at that place (the member's ``extra`` makes and caches
-        it).  Ids and scales C will refuse are left to C (their slots stay NULL)."""
-        if posp == NULL:
-            cached = self._fac_cache
-            if cached is not None and cached[0] is scales and cached[1] == gather:
-                return cached[2], 0, cached[3]
-            table = ffi.new("float *[]", len(self.members))
-            keep = []  # the factors' buffers, alive while the table points at them
-            for q in self._dora:
-                keep.append(self.members[q].extra._factor_ptr(scales[q], gather))
-                table[q] = keep[-1]
-            self._fac_cache = (scales, gather, table, keep)
-            return table, 0, keep
+    # ------------------------------------------------------------ the apply target
+    def edge_view(self):
+        """lora._edge's view of the table, or None while no entry holds a delta."""
+        if self.stale:
+            self._rebuild()
+        return self._view
+
+    def edge_scales(self):
+        """The scales (and epilogue data) as lora._edge takes them."""
+        if _EPOCH[0] != self._epoch or self._scales_pair is None:
+            self.scales()
+        return self._scales_pair
+
+    def apply(self, op, x, out, ids=None, scales=None, extra=None):
+        """One apply call (lora._apply's ops): the edge, then the checked path; returns out."""
+        if self.stale:
+            self._rebuild()
+        view = self._view
+        if view is not None:
+            if _EPOCH[0] != self._epoch:
+                self.scales()
+            if _edge_apply(view, self._scales_pair, op, x, out, ids, scales, extra, None) == 0:
+                return out
+        return _apply.checked(self, op, x, out, ids, scales, extra)
+
+    def epi_arg(self, op, ids, pos, n):
+        """For lora._apply: a TypeError for an op the members' epilogues do not serve, and the
+        epilogue data of a call with per-position scales (None otherwise)."""
+        if not self._epi:
+            return None
+        gather = op in _GATHER_OPS
+        for q in self._epi:
+            self.members[q].extra._epi_check(gather)
+        if pos is None:
+            self.scales()  # raises, naming the row, where a factor cannot be made
+            return None
+        table, stride, keep = self._epi_per_id(self.scales(), ids, pos, n)
+        return (address(table), stride, table, keep)
+
+    # ------------------------------------------------------------ epilogue data (DoRA)
+    def _epi_table(self, scales):
+        """(float *[] of each member's epilogue data for these scales, the buffers it points
+        into): the member's ``extra`` makes and caches it (a DoRA row factor for the float32
+        scale the kernels use)."""
+        table = ffi.new("float *[]", len(self.members))
+        keep = []
+        for q in self._epi:
+            keep.append(self.members[q].extra._factor_ptr(scales[q]))
+            table[q] = keep[-1]
+        return table, keep
+
+    def _epi_per_id(self, scales, ids, pos, n):
+        """(float *[] per adapter id and member, stride, the buffers it points into) for a call
+        with per-position scales: each epilogue member's data for the scale of that position.
+        Ids and scales C will refuse are left to C (their slots stay NULL)."""
         nq = len(self.members)
-        n_ids = (n + every - 1) // every
+        flat_ids = ids.reshape(-1) if ids is not None else None
+        flat_pos = pos.reshape(-1)
+        n_ids = flat_pos.shape[0]
         table = ffi.new("float *[]", max(n_ids * nq, 1))
         keep = []
-        dora, first, members = set(self._dora), self.first, self.members
+        epi, first, members = set(self._epi), self.first, self.members
         for i in range(n_ids):
-            e = idp[i] if idp != NULL else 0
+            e = int(flat_ids[i]) if flat_ids is not None else 0
             if e < 0 or e >= self.n_kernel:
                 continue
-            mul = posp[i]
+            mul = float(flat_pos[i])
             for q in range(first[e], first[e + 1]):
-                if q in dora:
+                if q in epi:
                     s = scales[q] * mul
                     if abs(s) < _F32_OVERFLOW:
-                        keep.append(members[q].extra._factor_ptr(s, gather))
+                        keep.append(members[q].extra._factor_ptr(s))
                         table[i * nq + q] = keep[-1]
         return table, nq, keep
-
-    def _dora_batch(self, n_kernel, first, ptrs, scales, idp, posp, every, rows, cols, n, xp, xc,
-                    ldx, op, oc, ldo, bad):
-        table, stride, keep = self._factor_table(scales, idp, posp, every, n, False)
-        return _lora_apply_batch_dora(n_kernel, first, ptrs, scales, idp, posp, every, rows, cols,
-                                      n, xp, xc, ldx, op, oc, ldo, table, stride, bad)
-
-    def _dora_rows(self, n_kernel, first, ptrs, scales, idp, posp, every, rows, cols, n, ids, op,
-                   oc, ldo, bad):
-        table, stride, keep = self._factor_table(scales, idp, posp, every, n, True)
-        return _lora_apply_rows_dora(n_kernel, first, ptrs, scales, idp, posp, every, rows, cols,
-                                     n, ids, op, oc, ldo, table, stride, bad)
 
     def resident_bytes(self):
         if self.stale:
             self._rebuild()
         return sum(o.resident_bytes for o in {id(m.owner): m.owner for m in self.members}.values())
 
-    # ------------------------------------------------------------------ apply
+    # ------------------------------------------------------------ the methods' calls
     def apply_vec(self, x, out):
-        """Decode through entry 0: x ``[cols]`` -> out ``[rows]``; returns out.  The table must
-        hold a delta (its shape is known)."""
-        if self.stale:
-            self._rebuild()
-        rows, cols = shape = self._shape
-        status = None
-        edge = self._edge
-        if edge is not None:  # the common case in C (lora._edge): NumPy arrays or plain tensors
-            if _EPOCH[0] != self._epoch:
-                self.scales()
-            status = _edge_apply(edge, self._scales_pair, x, out, None, None, False)
-            if status == 0:
-                return out
-            if status == DECLINE:
-                status = None
-        elif (type(x) is ndarray and type(out) is ndarray  # a table without an edge view (DoRA)
-                and (xc := fast_code(id(x.dtype))) is not None
-                and (oc := fast_code(id(out.dtype))) is not None
-                and x.shape == (cols,) and out.shape == (rows,)):
-            try:  # contiguous arrays of the exact shapes: no conversion, no copy
-                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
-            except ValueError:  # not contiguous: the checked path
-                pass
-            else:
-                status = _apply_vec(self, xp, xc, op, oc)
-                if status == 0:
-                    return out
-        return dispatch.run_vec(_apply_vec, None, self, x, out, shape[1:], shape[:1], status)
+        """Decode through entry 0: x ``[cols]`` -> out ``[rows]``; returns out."""
+        return self.apply(_apply.OP_VEC, x, out)
 
     def apply_row(self, r, out_row):
         """One token's embedding delta through entry 0: out_row ``[cols]``; returns out_row."""
-        if self.stale:
-            self._rebuild()
-        rows, cols = self._shape
-        r = arrays.token_id(r, rows)
-        op, oc, _, _ = arrays.check_out(out_row, (cols,), "out_row")
-        ids = ffi.new("int64_t[1]", [r])
-        status = self._c_rows(self.n_kernel, self.first, self.ptrs, self.scales(), NULL, NULL, 1,
-                              rows, cols, 1, ids, op, oc, cols, NULL)
-        if status:
-            arrays.raise_status(status)
-        return out_row
+        return self.apply(_apply.OP_ROW, r, out_row)
 
     def apply_batch(self, x, out, adapter_ids=None, scales=None):
         """The batched linear add for these entries: position b uses entry adapter_ids[b]
         (None: entry 0 everywhere), its scales times scales[b] (None: 1).  Returns out."""
-        if self.stale:
-            self._rebuild()
-        if self._expert_shape is not None:
-            self.plain("add_batch_to")
-        shape = self._shape
-        edge = self._edge
-        if edge is not None:  # the common case in C (lora._edge); on anything else, or a C
-            # error, the paths below take the call from the start (and raise what C refused)
-            if _EPOCH[0] != self._epoch:
-                self.scales()
-            if _edge_apply(edge, self._scales_pair, x, out, adapter_ids, scales, True) == 0:
-                return out
-        status = None
-        if (type(x) is ndarray and type(out) is ndarray
-                and (xc := fast_code(id(x.dtype))) is not None
-                and (oc := fast_code(id(out.dtype))) is not None
-                and shape is not None and out.ndim == 2):
-            # the common case (2-D rows, int64 ids, float64 scales or none), without the
-            # general checks: C checks overlap, alignment, ids and scales before any write
-            status = self._fast_batch(x, xc, out, oc, adapter_ids, scales, shape)
-            if status == 0:
-                return out
-        elif adapter_ids is not None and (scales is not None or type(adapter_ids) is not ndarray):
-            status = DECLINE  # not for the tensor fast path either (see _apply_batch)
-        if shape is None:  # no entry holds a delta: no rows/cols to check against
-            return self._shapeless_batch(x, out, adapter_ids, scales)
-        return dispatch.run_batch(_apply_batch, None, (self, out, adapter_ids, scales), x, out,
-                                  shape[1], shape[0], status)
-
-    def _fast_batch(self, x, xc, out, oc, adapter_ids, scales, shape):
-        """The ndarray call for arrays of the exact shapes and simple ids: its status, or None
-        when the arrays, ids or scales are not of that form (the general path follows)."""
-        rows, cols = shape
-        n = out.shape[0]
-        if out.shape[1] != rows or x.shape != (n, cols):
-            return None
-        idp, posp = NULL, NULL
-        try:
-            if adapter_ids is not None:
-                if (type(adapter_ids) is not ndarray or adapter_ids.dtype is not _I64
-                        or adapter_ids.shape != (n,)):
-                    return None
-                idp = from_buffer(INT64S, adapter_ids)
-                if scales is not None:
-                    if (type(scales) is not ndarray or scales.dtype is not _F64
-                            or scales.shape != (n,)):
-                        return None
-                    posp = from_buffer(DOUBLES, scales)
-            elif scales is not None:
-                return None
-            xp = from_buffer(x)
-            op = from_buffer(CHARS, out, True)
-        except ValueError:  # not contiguous: the general path
-            return None
-        if not n:
-            return 0
-        bad = ffi.new("int64_t *")
-        status = self._c_batch(self.n_kernel, self.first, self.ptrs, self.scales(), idp, posp, 1,
-                               rows, cols, n, xp, xc, cols, op, oc, rows, bad)
-        if status and status != ERR_ALIGN:
-            self._raise(status, adapter_ids, scales, bad=bad)
-        return status
+        return self.apply(_apply.OP_BATCH, x, out, adapter_ids, scales)
 
     def apply_rows(self, tok_ids, out, adapter_ids=None, scales=None):
         """The embedding-row gather for these entries; as apply_batch."""
-        if self.stale:
-            self._rebuild()
-        if self._expert_shape is not None:
-            self.plain("add_rows_to")
-        shape = self._shape
-        if shape is None:
-            return self._shapeless_rows(tok_ids, out, adapter_ids, scales)
-        rows, cols = shape
-        tok, op, oc, ldo, n = dispatch.rows_args(tok_ids, out, cols)
-        ids, idp, pos, posp, every = self._ids(adapter_ids, scales, tok.shape)
-        if n:
-            bad = ffi.new("int64_t *")
-            status = self._c_rows(self.n_kernel, self.first, self.ptrs, self.scales(), idp, posp,
-                                  every, rows, cols, n, from_buffer(INT64S, tok), op, oc, ldo,
-                                  bad)
-            if status:
-                self._raise(status, ids, pos, tok=tok, bad=bad)
-        return out
+        return self.apply(_apply.OP_ROWS, tok_ids, out, adapter_ids, scales)
 
-    def _ids(self, adapter_ids, scales, lead):
-        """(ids, ids ptr, scales, scales ptr, positions per id) for a call with leading axes
-        `lead`; ids and scales of the leading shape or a prefix of it."""
-        if adapter_ids is None:
-            return None, NULL, None, NULL, 1
-        ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
-        if len(lead) == 1 and ids.ndim == 1 and ids.shape[0] != lead[0]:
-            raise ValueError(f"adapter_ids has {ids.shape[0]} ids; out has {lead[0]} positions")
-        return with_scales(ids, scales, arrays.per_id_shape(ids, lead, "adapter_ids"))
+    def apply_experts(self, x, out, expert_ids, adapter_ids=None, scales=None):
+        """The routed add of a table of experts entries; as apply_batch, with expert ids."""
+        return self.apply(_apply.OP_EXPERTS, x, out, adapter_ids, scales, expert_ids)
 
     def _raise(self, status, ids, pos, tok=None, bad=None):
         rows = self._shape[0] if self._shape else 0
@@ -454,20 +371,28 @@ class EntryTable:
                             rows=rows, bad=bad, scales=pos)
 
     # ---------------------------------------------- entries without any delta
+    def shapeless(self, op, x, out, ids, scales, eids=None):
+        """The checks a table none of whose entries holds a delta can still make (rows and cols
+        unknown); adds nothing."""
+        if op == _apply.OP_EXPERTS:
+            return self._shapeless_experts(x, out, eids, ids, scales)
+        if op in _GATHER_OPS:
+            return self._shapeless_rows(x, out, ids, scales)
+        return self._shapeless_batch(x, out, ids, scales)
+
     def _check_ids_only(self, adapter_ids, scales, lead):
-        ids, _, pos, _, _ = self._ids(adapter_ids, scales, lead)
-        if ids is None:
+        if adapter_ids is None:
             return
+        ids, pos = _apply.bank_ids(adapter_ids, scales, lead)
         flat = ids.reshape(-1)
         wrong = np.flatnonzero((flat < -1) | (flat >= len(self._entries)))
         if wrong.size:
-            self._raise(_ERR_ADAPTER, ids, pos, bad=ffi.new("int64_t *", int(wrong[0])))
+            self._raise(_ERR_ADAPTER, ids, pos, bad=[int(wrong[0])])
 
     def _shapeless_batch(self, x, out, adapter_ids, scales):
-        """The checks entries without any delta can still make (rows/cols unknown): out a
-        writeable float array of at least 2 dims, x of the same leading axes, not overlapping,
-        the ids and scales."""
-        if not (isinstance(out, ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+        """out a writeable float array of at least 2 dims, x of the same leading axes, not
+        overlapping, the ids and scales."""
+        if not (isinstance(out, np.ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
             arrays.batched_shape(out, "rows", "out")  # raises
         shape = tuple(out.shape)
         arrays.check_out(out, shape, batched=True)
@@ -485,7 +410,7 @@ class EntryTable:
         return out
 
     def _shapeless_rows(self, tok_ids, out, adapter_ids, scales):
-        if not (isinstance(out, ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+        if not (isinstance(out, np.ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
             arrays.batched_shape(out, "cols", "out")  # raises
         shape = tuple(out.shape)
         arrays.check_out(out, shape, batched=True)
@@ -501,54 +426,25 @@ class EntryTable:
         self._check_ids_only(adapter_ids, scales, tok.shape)
         return out
 
-
-def with_scales(ids, scales, every):
-    """(ids, ids ptr, scales, scales ptr, positions per id) of a bank call: int64 adapter ids
-    checked for their shape, and `scales` (None, or real numbers of the ids' shape)."""
-    if scales is None:
-        return ids, from_buffer(INT64S, ids), None, NULL, every
-    pos = arrays.as_scales(scales)
-    if pos.shape != ids.shape:
-        raise ValueError(f"scales must have the shape of adapter_ids, {ids.shape}; got "
-                         f"{pos.shape}")
-    return ids, from_buffer(INT64S, ids), pos, from_buffer(DOUBLES, pos), every
-
-
-def _apply_vec(table, xp, xc, op, oc):
-    """`EntryTable.apply_vec`'s C call in the dispatch's form (see lora._dispatch)."""
-    rows, cols = table._shape
-    return table._c_batch(table.n_kernel, table.first, table.ptrs, table.scales(), NULL, NULL, 1,
-                          rows, cols, 1, xp, xc, cols, op, oc, rows, NULL)
-
-
-def _apply_batch(extra, lead, n, xp, xc, ldx, op, oc, ldo):
-    """`EntryTable.apply_batch`'s C call in the dispatch's form (see lora._dispatch); on the
-    tensor fast path (``lead`` None) only for no ids, or int64 ids one per leading row of out
-    (PEFT's adapter_names) with no scales: anything else declines to the checked path."""
-    table, out, adapter_ids, scales = extra
-    rows, cols = table._shape
-    if lead is not None:
-        ids, idp, pos, posp, every = table._ids(adapter_ids, scales, lead)
-    else:
-        ids, idp, pos, posp, every = adapter_ids, NULL, None, NULL, 1
-        if scales is not None:
-            return DECLINE
-        if adapter_ids is not None:
-            rows0 = out.shape[0]
-            if (type(adapter_ids) is not ndarray or adapter_ids.dtype is not _I64
-                    or adapter_ids.ndim != 1 or adapter_ids.shape[0] != rows0 or n % max(rows0, 1)):
-                return DECLINE
-            try:
-                idp = from_buffer(INT64S, adapter_ids)
-            except ValueError:  # strided ids
-                return DECLINE
-            every = max(n // max(rows0, 1), 1)
-    if not n:
-        return 0
-    bad = ffi.new("int64_t *") if idp is not NULL or lead is not None else NULL
-    status = table._c_batch(table.n_kernel, table.first, table.ptrs, table.scales(), idp, posp,
-                            every, rows, cols, n, xp, xc, ldx, op, oc, ldo, bad)
-    if status and (lead is not None or status == _ERR_ADAPTER):
-        table._raise(status, ids, pos, bad=bad)
-    return status
-
+    def _shapeless_experts(self, x, out, eids, ids, pos):
+        """A table none of whose entries holds experts: out and x checked as arrays, the ids
+        checked as far as they can be (no expert count: only -1 and up), nothing added."""
+        if not (isinstance(out, np.ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+            arrays.batched_shape(out, "rows", "out")  # raises
+        arrays.check_out(out, tuple(out.shape), batched=True)
+        if arrays.is_tensor(x):
+            arrays.check_tensor_place(x, "x")
+            if not x.dtype.is_floating_point:
+                raise TypeError(f"x must be a real floating array; got dtype "
+                                f"{arrays.dtype_name(x)}")
+        arrays.no_overlap(x, out)
+        flat = _apply._np_ids(eids).reshape(-1)
+        wrong = np.flatnonzero(flat < -1)
+        if wrong.size:
+            _apply.raise_experts(lib.LORA_ERR_INDEX, self, eids, None, None, int(wrong[0]))
+        if ids is not None:
+            af = ids.reshape(-1)
+            wrong = np.flatnonzero((af < -1) | (af >= len(self._entries)))
+            if wrong.size:
+                _apply.raise_experts(_ERR_ADAPTER, self, eids, ids, pos, int(wrong[0]))
+        return out

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import _arrays as arrays
-from . import experts as _experts
 from ._byvalue import ByValue
 from .bank import need_ids
 from ._entries import EntryTable, entry_types, owners
@@ -305,7 +304,7 @@ class _SetBank:
         if table.base_shape is not None and table.expert_shape is None:
             raise TypeError(f"add_experts_to needs a MoE target; {self._target!r} holds plain "
                             f"deltas (use add_batch_to)")
-        return _experts.apply_experts(table, x, out, expert_ids, adapter_ids, scales)
+        return table.apply_experts(x, out, expert_ids, adapter_ids, scales)
 
 
 def _shape_of(entry):

@@ -1,6 +1,5 @@
 """`LoraBank`: a different adapter for every position of one batch (BGMV/SGMV on the CPU)."""
 
-from . import experts as _experts
 from ._byvalue import ByValue
 from ._entries import EntryTable
 
@@ -107,8 +106,7 @@ class LoraBank(ByValue):
         ValueError for shapes and scales); ``TypeError`` when the entries are not experts.
         """
         need_ids(adapter_ids)
-        return _experts.apply_experts(self._experts_table(), x, out, expert_ids, adapter_ids,
-                                      scales)
+        return self._experts_table().apply_experts(x, out, expert_ids, adapter_ids, scales)
 
     def _experts_table(self):
         table = self._table

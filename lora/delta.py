@@ -2,9 +2,9 @@
 
 Layouts: lora_a = A [rank, cols], lora_b = B [rows, rank], a base W [rows, cols] (= [n_out,
 n_in]).  Every add_* method validates all of its inputs before the first write, makes one C call
-with the GIL released, and returns `out`.  `add_to` and `add_batch_to` try `lora._edge` first
-(the common case, taken in C from the arrays themselves); everything it declines goes the way
-of `lora._dispatch`.
+with the GIL released, and returns `out`.  A delta is a table of one entry of one member to the
+kernels: each method hands its arguments to `lora._edge` (the common case, taken in C from the
+arrays themselves), and what it declines to `lora._apply`'s checked path.
 """
 
 import math
@@ -15,8 +15,8 @@ import numpy as np
 from . import _arrays as arrays
 from . import _dtypes as dtypes
 from . import _edge
+from ._apply import OP_BATCH, OP_ROW, OP_ROWS, OP_VEC, address, checked
 from ._byvalue import ByValue, same_slots
-from ._dispatch import DECLINE, INT64S, NULL, address, from_buffer, rows_args, run_batch, run_vec
 from ._entries import Member, entry_type
 from ._lora_cffi import ffi, lib
 from ._merge import finite_scale, merge_
@@ -25,14 +25,7 @@ from .scale import LoraScale
 
 __all__ = ["LoraDelta"]
 
-from . import _calls
-_lora_add = _calls.lora_add
-_edge_add = _edge.add_to
-_edge_add_batch = _edge.add_batch_to
-_lora_add_batch = _calls.lora_add_batch
-_lora_add_rows = _calls.lora_add_rows
-_lora_add_at = _calls.lora_add_at
-_lora_add_batch_at = _calls.lora_add_batch_at
+_edge_apply = _edge.apply
 
 
 def alpha_factor(alpha, rank, rslora):
@@ -165,8 +158,8 @@ class LoraDelta(ByValue):
     LoraScale; ``copy.deepcopy`` owns new ones.
     """
 
-    __slots__ = ("_ptr", "_addr", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype",
-                 "_scale", "_alpha_factor", "_xshape", "_oshape", "_keep", "__weakref__")
+    __slots__ = ("_ptr", "_view", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype",
+                 "_scale", "_alpha_factor", "_keep", "__weakref__")
 
     def __init__(self, a, b, *, alpha=0.0, scale=1.0, rslora=False, base_shape=None,
                  dtype="float32"):
@@ -222,12 +215,11 @@ class LoraDelta(ByValue):
             raise ValueError(f"cannot view a rank-{rank} [{rows} x {cols}] {name} delta with row "
                              f"lengths {a[1]} / {b[1]}")
         self = cls.__new__(cls)
-        self._own(ptr)
+        self._own(ptr, rows, cols)
         self._rank, self._rows, self._cols = rank, rows, cols
         self._alpha, self._rslora, self._dtype = 0.0, False, name
         self._scale = scale if isinstance(scale, LoraScale) else LoraScale(scale)
         self._alpha_factor = alpha_factor
-        self._xshape, self._oshape = (cols,), (rows,)
         self._keep = keep
         return self
 
@@ -236,12 +228,11 @@ class LoraDelta(ByValue):
         """A delta around a C delta made elsewhere, which it now owns (package-internal:
         `LoraExperts` packs its experts' storage in one pass and hands each expert over)."""
         self = cls.__new__(cls)
-        self._own(ptr)
+        self._own(ptr, rows, cols)
         self._rank, self._rows, self._cols = rank, rows, cols
         self._alpha, self._rslora, self._dtype = alpha, rslora, dtype
         self._scale = scale
         self._alpha_factor = alpha_factor
-        self._xshape, self._oshape = (cols,), (rows,)
         self._keep = None
         return self
 
@@ -256,8 +247,9 @@ class LoraDelta(ByValue):
             raise TypeError(f"scale must be a LoraScale; got {type(scale).__name__}")
         factor = check_alpha(factor, False)
         (rank, cols), rows = a_bits.shape, b_bits.shape[0]
-        ptr = lib.lora_delta_new(dtypes.CODES[name], dtypes.CODES[name], rank, rows, cols, from_buffer(a_bits),
-                                 from_buffer(b_bits))
+        code = dtypes.CODES[name]
+        ptr = lib.lora_delta_new(code, code, rank, rows, cols, ffi.from_buffer(a_bits),
+                                 ffi.from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
         return cls._adopt(ptr, rank, rows, cols, alpha=alpha, rslora=bool(rslora), dtype=name,
@@ -279,16 +271,16 @@ class LoraDelta(ByValue):
             scale = LoraScale(scale)
         a_bits = dtypes.to_storage(a, name, "lora_a")
         b_bits = dtypes.to_storage(b, name, "lora_b")
-        ptr = lib.lora_delta_new(dtypes.CODES[name], dtypes.CODES[name], rank, rows, cols, from_buffer(a_bits),
-                                 from_buffer(b_bits))
+        code = dtypes.CODES[name]
+        ptr = lib.lora_delta_new(code, code, rank, rows, cols, ffi.from_buffer(a_bits),
+                                 ffi.from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
-        self._own(ptr)
+        self._own(ptr, rows, cols)
         self._rank, self._rows, self._cols = rank, rows, cols
         self._alpha, self._rslora, self._dtype = alpha, bool(rslora), name
         self._scale = scale
         self._alpha_factor = alpha_factor(alpha, rank, self._rslora)
-        self._xshape, self._oshape = (cols,), (rows,)
         self._keep = None
 
     # ------------------------------------------------------------ properties
@@ -315,15 +307,33 @@ class LoraDelta(ByValue):
         return (f"LoraDelta(rank={self._rank}, rows={self._rows}, cols={self._cols}, "
                 f"alpha={self._alpha}, dtype={self._dtype!r}, scale={self._scale.value})")
 
-    def _own(self, ptr):
-        """Take ownership of C delta `ptr` (freed with this object); ``_addr`` is its address as
-        an int, the form `lora._edge`'s entries take."""
+    def _own(self, ptr, rows, cols):
+        """Take ownership of C delta `ptr` (freed with this object) and make lora._edge's view
+        of it: a table of one entry of one member."""
         self._ptr = ffi.gc(ptr, lib.lora_delta_free)
-        self._addr = address(ptr)
+        self._view = _edge.view_of_delta(address(ptr), rows, cols, None)
 
     def _kernel_entries(self):
         """The entry protocol (lora._entries): one kernel entry of one member, this delta."""
         return ((Member(self._ptr, self._scale, self._alpha_factor, self),),)
+
+    # ------------------------------------------------------------ lora._apply's target
+    expert_shape = None
+    n_entries = 1
+
+    def edge_view(self):
+        return self._view
+
+    def edge_scales(self):
+        """The effective scale, read once per call (``_value``: the slot behind
+        `LoraScale.value`, without a Python call for the property)."""
+        return self._scale._value * self._alpha_factor
+
+    def plain(self, method):
+        pass
+
+    def epi_arg(self, op, ids, pos, n):
+        return None
 
     # ---------------------------------------------------------------- apply
     def add_to(self, x, out):
@@ -335,14 +345,10 @@ class LoraDelta(ByValue):
         place, anything else converted to float32 (a copy).  Raises TypeError/ValueError naming
         expected vs actual; ``out`` is untouched on error.
         """
-        # the common case (NumPy arrays or plain CPU tensors, the exact shapes, contiguous,
-        # dtypes the kernels read) in one C call that reads the arrays itself; DECLINE: not it
-        status = _edge_add(self._addr, self._scale._value * self._alpha_factor, x, out)
-        if status == 0:
+        if _edge_apply(self._view, self._scale._value * self._alpha_factor, OP_VEC, x, out, None,
+                       None, None, None) == 0:
             return out
-        if status == DECLINE:
-            status = None
-        return run_vec(_add, _add_at, self, x, out, self._xshape, self._oshape, status)
+        return checked(self, OP_VEC, x, out)
 
     def add_batch_to(self, x, out):
         """Prefill: ``out[..., :] += s * B (A x[..., :])`` for every position; returns ``out``.
@@ -353,27 +359,20 @@ class LoraDelta(ByValue):
         stride, e.g. ``qkv[:, :d]``), written in place.  Each position is bit-identical to
         ``add_to`` on it alone.
         """
-        # as add_to: any leading axes, both C-contiguous, in one C call
-        status = _edge_add_batch(self._addr, self._scale._value * self._alpha_factor, x, out)
-        if status == 0:
+        if _edge_apply(self._view, self._scale._value * self._alpha_factor, OP_BATCH, x, out,
+                       None, None, None, None) == 0:
             return out
-        if status == DECLINE:
-            status = None
-        return run_batch(_add_batch, _add_batch_at, self, x, out, self._cols, self._rows, status)
+        return checked(self, OP_BATCH, x, out)
 
     def add_row_to(self, r, out_row):
         """Token embedding: ``out_row[cols] += s * (B[r] @ A)``; ``r`` an int in ``[0, rows)``.
 
         Raises TypeError for a non-integer id, IndexError for one out of range (no wrap-around).
         """
-        r = arrays.token_id(r, self._rows)
-        op, oc, _, _ = arrays.check_out(out_row, self._xshape, "out_row")
-        ids = ffi.new("int64_t[1]", [r])
-        status = _lora_add_rows(self._ptr, self._scale._value * self._alpha_factor, 1, ids, op, oc,
-                                self._cols, NULL)
-        if status:
-            arrays.raise_status(status)
-        return out_row
+        if _edge_apply(self._view, self._scale._value * self._alpha_factor, OP_ROW, r, out_row,
+                       None, None, None, None) == 0:
+            return out_row
+        return checked(self, OP_ROW, r, out_row)
 
     def add_rows_to(self, ids, out):
         """A prompt's embedding deltas: ``out[..., :] += s * (B[ids[...]] @ A)``; returns ``out``.
@@ -383,15 +382,10 @@ class LoraDelta(ByValue):
         ``[*ids.shape, cols]``, float32/float16/bfloat16, C-contiguous or row-strided.  Each
         row is bit-identical to ``add_row_to``.
         """
-        tok, op, oc, ldo, n = rows_args(ids, out, self._cols)
-        if n:
-            bad = ffi.new("int64_t *")
-            # the C call checks every id before its first write, also at scale 0
-            status = _lora_add_rows(self._ptr, self._scale._value * self._alpha_factor, n,
-                                    from_buffer(INT64S, tok), op, oc, ldo, bad)
-            if status:
-                arrays.raise_status(status, ids=tok, rows=self._rows, bad=bad)
-        return out
+        if _edge_apply(self._view, self._scale._value * self._alpha_factor, OP_ROWS, ids, out,
+                       None, None, None, None) == 0:
+            return out
+        return checked(self, OP_ROWS, ids, out)
 
     # -------------------------------------------------------------- offline
     def lora_weights(self):
@@ -399,8 +393,8 @@ class LoraDelta(ByValue):
         d = dtypes.BY_NAME[self._dtype]
         a = np.empty((self._rank, self._cols), d.bits)
         b = np.empty((self._rows, self._rank), d.bits)
-        lib.lora_delta_export(self._ptr, from_buffer(a, require_writable=True),
-                              from_buffer(b, require_writable=True))
+        lib.lora_delta_export(self._ptr, ffi.from_buffer(a, require_writable=True),
+                              ffi.from_buffer(b, require_writable=True))
         return a.view(d.numpy), b.view(d.numpy)
 
     def _delta64(self, s, rows=slice(None)):
@@ -426,24 +420,3 @@ class LoraDelta(ByValue):
     def unmerge_from(self, w):
         """``w -= s * B @ A`` in place; undoes ``merge_into`` within the rounding of ``w``'s dtype."""
         return merge_(w, [(self, -1.0)], self._rows, self._cols)
-
-
-# LoraDelta's C calls in the dispatch's form (see lora._dispatch): ``d`` is the delta; the scale
-# is read here, once per call (``_value``: the slot behind `LoraScale.value`, without a Python
-# call for the property)
-def _add(d, xp, xc, op, oc):
-    return _lora_add(d._ptr, d._scale._value * d._alpha_factor, xp, xc, op, oc)
-
-
-def _add_at(d, xa, xc, oa, oc):
-    return _lora_add_at(d._ptr, d._scale._value * d._alpha_factor, xa, xc, oa, oc)
-
-
-def _add_batch(d, lead, n, xp, xc, ldx, op, oc, ldo):
-    s = d._scale._value * d._alpha_factor
-    return _lora_add_batch(d._ptr, s, n, xp, xc, ldx, op, oc, ldo) if n else 0
-
-
-def _add_batch_at(d, lead, n, xa, xc, ldx, oa, oc, ldo):
-    s = d._scale._value * d._alpha_factor
-    return _lora_add_batch_at(d._ptr, s, n, xa, xc, ldx, oa, oc, ldo) if n else 0

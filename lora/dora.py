@@ -20,7 +20,6 @@ import numpy as np
 from . import _arrays as arrays
 from . import _dtypes as dtypes
 from ._byvalue import ByValue
-from ._dispatch import CHARS, NULL, fast_code, from_buffer, ndarray
 from ._entries import EntryTable, Member, entry_type
 from ._lora_cffi import ffi, lib
 from ._merge import _w_array, finite_scale
@@ -35,9 +34,6 @@ _F32 = np.float32
 _FLOATS = ffi.typeof("float[]")
 _DOUBLES = ffi.typeof("double[]")
 _CACHE = 16  # row factors kept per delta (distinct float32 scales, e.g. a bank's positions)
-_FIRST1 = ffi.new("int64_t[2]", [0, 1])  # one kernel entry of one member
-from . import _calls
-_apply_batch_dora = _calls.lora_apply_batch_dora
 
 
 def _base_array(base, rows, cols, what="base"):
@@ -100,7 +96,7 @@ class DoraDelta(ByValue):
     """
 
     __slots__ = ("_delta", "_embedding", "_mag", "_mag_c", "_sq", "_vp", "_gram", "_stats_c",
-                 "_g", "_merged", "_table", "_ptrs", "_fast", "__weakref__")
+                 "_g", "_merged", "_table", "__weakref__")
 
     def __init__(self, a, b, magnitude, base, *, alpha=0.0, scale=1.0, rslora=False,
                  dtype="float32", embedding=False):
@@ -141,9 +137,6 @@ class DoraDelta(ByValue):
         else:
             self._set_stats(*(np.array(v, dtype=_F64) for v in stats))
         self._table = EntryTable([self], "DoRA delta")
-        self._ptrs = ffi.new("lora_delta *[1]", [delta._ptr])
-        # (scale, double[1], float *[1], the factor's buffer) of the last fast call
-        self._fast = (None, None, None, None)
 
     # ------------------------------------------------------------ statistics
     def _set_base(self, base):
@@ -175,7 +168,6 @@ class DoraDelta(ByValue):
         self._sq, self._vp, self._gram = sq, vp, gram
         self._stats_c = tuple(ffi.from_buffer(_DOUBLES, v) for v in (sq, vp, gram))
         self._g = {}
-        self._fast = (None, None, None, None)
 
     def set_base(self, w):
         """Re-read the base weight ``w`` (``[rows, cols]``, as the constructor takes it): after
@@ -210,15 +202,25 @@ class DoraDelta(ByValue):
         hit = self._g[key] = (g, norm, gp)
         return hit
 
-    def _factor_ptr(self, s, gather):
-        """The entry protocol's per-member extra: g for scale s as a C array (which keeps g
-        alive), for a gather (``add_rows_to``) or a projection call."""
+    # ------------------------------------------------------------ the epilogue (lora._entries)
+    @property
+    def _gathers(self):
+        """The op the row factors serve: the gathers (an embedding) or the projections."""
+        return self._embedding
+
+    def _epi_check(self, gather):
+        """TypeError for a call of the other kind (a gather on a Linear DoRA delta, or a
+        projection on an embedding one)."""
         if gather != self._embedding:
             if self._embedding:
                 raise TypeError("this DoraDelta adapts an embedding (embedding=True): use "
                                 "add_rows_to / add_row_to, not the Linear add_to / add_batch_to")
             raise TypeError("this DoraDelta adapts a Linear layer: use add_to / add_batch_to; "
                             "add_rows_to needs a DoraDelta made with embedding=True")
+
+    def _factor_ptr(self, s):
+        """The row factor g for effective scale s as a C array (which keeps g alive): the
+        data of this member's row-factor epilogue."""
         return self._factor(s)[2]
 
     # ------------------------------------------------------------ properties
@@ -280,55 +282,14 @@ class DoraDelta(ByValue):
     def add_to(self, x, out):
         """Decode (Linear): ``out[rows] <- g * (out + s * B (A x[cols]))`` with ``out = W x``
         without bias; returns ``out``.  Inputs as `LoraDelta.add_to`."""
-        d = self._delta
-        if (not self._embedding and type(x) is ndarray and type(out) is ndarray
-                and (xc := fast_code(id(x.dtype))) is not None
-                and (oc := fast_code(id(out.dtype))) is not None
-                and x.shape == d._xshape and out.shape == d._oshape):
-            try:  # contiguous arrays of the exact shapes: one C call, as LoraDelta's
-                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
-            except ValueError:
-                pass
-            else:
-                if self._fast_call(1, xp, xc, op, oc) == 0:
-                    return out
         self._linear("add_to")
         return self._table.apply_vec(x, out)
 
     def add_batch_to(self, x, out):
         """Prefill (Linear): ``out[..., :] <- g * (out + s * B (A x[..., :]))``; inputs as
         `LoraDelta.add_batch_to`; each position bit-identical to ``add_to`` on it alone."""
-        d = self._delta
-        if (not self._embedding and type(x) is ndarray and type(out) is ndarray
-                and (xc := fast_code(id(x.dtype))) is not None
-                and (oc := fast_code(id(out.dtype))) is not None
-                and out.ndim == 2 and out.shape[1] == d._rows
-                and x.shape == (out.shape[0], d._cols) and out.shape[0]):
-            try:  # C-contiguous arrays of the right shapes: one C call
-                xp, op = from_buffer(x), from_buffer(CHARS, out, True)
-            except ValueError:
-                pass
-            else:
-                if self._fast_call(out.shape[0], xp, xc, op, oc) == 0:
-                    return out
         self._linear("add_batch_to")
         return self._table.apply_batch(x, out)
-
-    def _fast_call(self, n, xp, xc, op, oc):
-        """The ndarray fast path's C call: the scale read once, the factor table of the last
-        scale reused.  A nonzero status sends the call to the checked path (which raises)."""
-        d = self._delta
-        s = d._scale._value * d._alpha_factor
-        last, sc, table, _ = self._fast
-        if s != last:
-            if not abs(s) < _F32_OVERFLOW:
-                return -1
-            gp = self._factor(s)[2]
-            sc = ffi.new("double[1]", [s])
-            table = ffi.new("float *[1]", [gp])
-            self._fast = (s, sc, table, gp)  # gp keeps g alive if the factor cache drops it
-        return _apply_batch_dora(1, _FIRST1, self._ptrs, sc, NULL, NULL, 1, d._rows, d._cols, n,
-                                 xp, xc, d._cols, op, oc, d._rows, table, 0, NULL)
 
     def add_row_to(self, r, out_row):
         """One token (embedding=True): ``out_row[cols] <- g * (out_row + s * B[r] @ A)`` with

@@ -6,11 +6,11 @@ of them.  Expert LoRA (PEFT ``target_parameters``, llama.cpp ``build_lora_mm_id`
 router chose only.  Layouts: ``a [n_experts, rank, cols]``, ``b [n_experts, rows, rank]``, one
 expert's base ``[rows, cols] = [n_out, n_in]``.
 
-One C call per `LoraExperts.add_to` (``lora_apply_experts``): the pairs are grouped by expert
-(the bank's counting sort), each expert's factors stream once per block of pairs, and every
-pair's row is bit-identical to ``expert(e).add_to`` on it alone.  The way to the call is
-`lora._dispatch`'s; a bank of experts (`LoraBank.add_experts_to`, ``AdapterSet.bank``) takes
-the same function, `apply_experts`, with adapter ids.
+One C call per `LoraExperts.add_to` (the routed op of ``lora_apply``): the pairs are grouped by
+expert (the bank's counting sort), each expert's factors stream once per block of pairs, and
+every pair's row is bit-identical to ``expert(e).add_to`` on it alone.  The experts are a routed
+entry table (one kernel entry per expert), applied as every table is (`lora._apply`); a bank of
+experts (`LoraBank.add_experts_to`, ``AdapterSet.bank``) is the same table with adapter ids.
 """
 
 import operator
@@ -20,35 +20,14 @@ import numpy as np
 from . import _arrays as arrays
 from . import _dtypes as dtypes
 from ._byvalue import ByValue
-from ._dispatch import (CHARS, ERR_ALIGN, INT64S, NULL, fast_code, from_buffer, ndarray,
-                        run_batch)
-from ._entries import EntryTable, Member, entry_type, with_scales
+from ._entries import EntryTable, Member, entry_type
 from ._lora_cffi import ffi, lib
 from ._merge import finite_scale, merge_
 from .delta import LoraDelta, alpha_factor, check_alpha, check_bits
 from .errors import LoraShapeError
 from .scale import LoraScale
 
-__all__ = ["LoraExperts", "apply_experts"]
-
-_I64 = arrays.I64
-from . import _calls
-_apply = _calls.lora_apply_experts
-_ERR_INDEX = lib.LORA_ERR_INDEX
-_ERR_ADAPTER = lib.LORA_ERR_ADAPTER
-_cast = ffi.cast
-_INT64P = ffi.typeof("int64_t *")
-_VOIDP = ffi.typeof("void *")
-_TORCH_CODES = arrays.TORCH_CODES  # filled in place at the first tensor
-_TENSOR_MISS = (AttributeError, RuntimeError, TypeError, IndexError)
-_note_write = arrays.note_write
-_TORCH_INT64 = [None]  # torch.int64, bound with the torch codes
-
-
-def _torch_init():
-    codes = arrays.torch_init()
-    _TORCH_INT64[0] = arrays.torch_module().int64
-    return codes
+__all__ = ["LoraExperts"]
 
 
 def _pair_error(a, b):
@@ -102,7 +81,7 @@ class LoraExperts(ByValue):
     """
 
     __slots__ = ("_experts", "_n", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype",
-                 "_scale", "_alpha_factor", "_table", "_xshape", "_oshape", "__weakref__")
+                 "_scale", "_alpha_factor", "_table", "__weakref__")
 
     def __init__(self, a, b, *, alpha=0.0, scale=1.0, rslora=False, dtype="float32"):
         a = arrays.float_array(a, "lora_a")
@@ -154,8 +133,8 @@ class LoraExperts(ByValue):
         code = dtypes.CODES[name]
         experts = []
         for e in range(n):
-            ptr = lib.lora_delta_new(code, code, rank, rows, cols, from_buffer(a_bits[e]),
-                                     from_buffer(b_bits[e]))
+            ptr = lib.lora_delta_new(code, code, rank, rows, cols, ffi.from_buffer(a_bits[e]),
+                                     ffi.from_buffer(b_bits[e]))
             if ptr == ffi.NULL:
                 raise MemoryError(f"cannot allocate expert {e} of {n}: a rank-{rank} "
                                   f"[{rows} x {cols}] {name} delta")
@@ -169,7 +148,6 @@ class LoraExperts(ByValue):
         self._rank, self._rows, self._cols = d.rank, d.rows, d.cols
         self._alpha, self._rslora, self._dtype = alpha, rslora, name
         self._scale, self._alpha_factor = scale, factor
-        self._xshape, self._oshape = (d.cols,), (d.rows,)
         self._table = EntryTable([self], "experts", routed=True)
 
     def _zero_alpha(self):
@@ -270,7 +248,7 @@ class LoraExperts(ByValue):
         ``expert(e).add_to(x_row, out_row)``, whatever the batch, the routing and the thread
         count.  Errors as `LoraDelta.add_batch_to`; ``out`` is untouched on every error.
         """
-        return apply_experts(self._table, x, out, expert_ids)
+        return self._table.apply_experts(x, out, expert_ids)
 
     # ------------------------------------------------------------ offline
     def delta_weight(self):
@@ -311,7 +289,7 @@ class LoraExperts(ByValue):
     def _expert_views(self, w):
         """w[e] for every expert, after the 3-D checks (each view is then checked as a base)."""
         want = self.expert_shape
-        if not (isinstance(w, ndarray) or arrays.is_tensor(w)):
+        if not (isinstance(w, np.ndarray) or arrays.is_tensor(w)):
             raise TypeError(f"w must be a numpy.ndarray or a CPU torch.Tensor of float32, float16 "
                             f"or bfloat16 {list(want)}; got {type(w).__name__}")
         if arrays.is_tensor(w):
@@ -335,204 +313,3 @@ class LoraExperts(ByValue):
                              f"view (.transpose(-1, -2)) of a C-contiguous [n_experts, cols, "
                              f"rows] array; got strides {strides}")
         return [w[e] for e in range(self._n)]
-
-
-# --------------------------------------------------------------------------------------------
-# the checked path, shared by LoraExperts.add_to and the banks of experts
-# --------------------------------------------------------------------------------------------
-
-
-def apply_experts(table, x, out, expert_ids, adapter_ids=None, scales=None):
-    """The routed add through ``table`` (a routed EntryTable of experts entries): the checks of
-    `LoraExperts.add_to` (and, for a bank, of its adapter ids and scales), then one
-    ``lora_apply_experts`` call through `lora._dispatch.run_batch`.  Returns out."""
-    if table.stale:
-        table._rebuild()
-    if scales is None and table._expert_shape is not None and \
-            _fast(table, x, out, expert_ids, adapter_ids) == 0:
-        return out
-    ids, idp = _expert_ids(expert_ids)
-    ishape = tuple(ids.shape)
-    if not ishape:
-        raise ValueError("expert_ids must have at least one axis ([..., k]); got a 0-d id")
-    if not (isinstance(x, ndarray) or arrays.is_tensor(x)):
-        x = arrays.float_array(x, "x")
-    eshape = table._expert_shape
-    cols = eshape[2] if eshape is not None else (x.shape[-1] if x.shape else 0)
-    xnd = len(x.shape)
-    if xnd == len(ishape):
-        xdrop, xshape = 1, ishape[:-1] + (cols,)
-    elif xnd == len(ishape) + 1:
-        xdrop, xshape = 0, ishape + (cols,)
-    else:
-        xdrop, xshape = None, None
-    if xshape is None or tuple(x.shape) != xshape:
-        raise ValueError(
-            f"x has shape {tuple(x.shape)}; with expert_ids of shape {ishape} it must be "
-            f"{ishape[:-1] + (cols,)} (one row per token, shared by its {ishape[-1]} slots) or "
-            f"{ishape + (cols,)} (one row per slot)")
-    if (isinstance(out, ndarray) or arrays.is_tensor(out)) and (
-            tuple(out.shape[:-1]) != ishape or len(out.shape) != len(ishape) + 1
-            or eshape is not None and out.shape[-1] != eshape[1]):
-        rows = eshape[1] if eshape is not None else "rows"
-        raise ValueError(f"out must have shape {ishape + (rows,)} = expert_ids.shape + (rows,) "
-                         f"for expert_ids of shape {ishape}; got {tuple(out.shape)}")
-    aids, aidp, pos, posp, every = None, NULL, None, NULL, 1
-    if adapter_ids is not None:
-        aids, aidp, pos, posp, every = _bank_ids(adapter_ids, scales, ishape)
-    if eshape is None:  # no entry holds experts: check what can be checked, add nothing
-        return _shapeless(table, x, out, ids, aids, pos)
-    extra = (table, ids, idp, ishape[-1] if xdrop else 1, aids, aidp, pos, posp, every)
-    return run_batch(_call, None, extra, x, out, cols, eshape[1], None, xdrop)
-
-
-def _call(extra, lead, n, xp, xc, ldx, op, oc, ldo):
-    """`apply_experts`'s C call in the dispatch's form (see lora._dispatch)."""
-    table, ids, idp, x_every, aids, aidp, pos, posp, every = extra
-    if not n:
-        return 0
-    n_experts, rows, cols = table._expert_shape
-    bad = ffi.new("int64_t *")
-    status = _apply(table.n_kernel, table.first, table.ptrs, table.scales(), table.n_entries,
-                    table.starts_c, n_experts, aidp, posp, every, idp, x_every, rows, cols, n, xp,
-                    xc, ldx, op, oc, ldo, bad)
-    if status and status != ERR_ALIGN:
-        _raise(status, table, ids, aids, pos, bad)
-    return status
-
-
-def _fast(table, x, out, expert_ids, adapter_ids):
-    """The fast path of `apply_experts` (the banks, and tensors under `accelerate_peft`): x and
-    out both NumPy arrays or both plain CPU tensors, C-contiguous, of the routed shapes; int64
-    expert ids of the same kind; adapter ids None or int64 (a tensor or an ndarray) of the
-    per-token or per-slot shape; no scales.  Returns the C status (any refusal is made again
-    by the checked path, which names it: nothing was written), or None when the arguments are
-    not of that form."""
-    try:
-        if type(out) is ndarray:
-            if type(x) is not ndarray or type(expert_ids) is not ndarray \
-                    or expert_ids.dtype is not _I64:
-                return None
-            xc, oc = fast_code(id(x.dtype)), fast_code(id(out.dtype))
-        else:
-            codes = _TORCH_CODES if _TORCH_INT64[0] is not None else _torch_init()
-            xc, oc = codes.get(x.dtype), codes.get(out.dtype)
-            if expert_ids.dtype is not _TORCH_INT64[0]:
-                return None
-        if xc is None or oc is None:
-            return None
-        n_experts, rows, cols = table._expert_shape
-        ish, os_, xs = expert_ids.shape, out.shape, x.shape
-        nd = len(ish)
-        if not nd or len(os_) != nd + 1 or os_[-1] != rows or os_[:-1] != ish or xs[-1] != cols:
-            return None
-        if len(xs) == nd and xs[:-1] == ish[:-1]:
-            x_every = ish[-1]
-        elif len(xs) == nd + 1 and xs[:-1] == ish:
-            x_every = 1
-        else:
-            return None
-        aidp, every = NULL, 1
-        if adapter_ids is not None:
-            ash = adapter_ids.shape
-            every = ish[-1] if ash == ish[:-1] else (1 if ash == ish else 0)
-            if not every:
-                return None
-            if type(adapter_ids) is ndarray:
-                if adapter_ids.dtype is not _I64:
-                    return None
-                aidp = from_buffer(INT64S, adapter_ids)  # ValueError: not contiguous
-            elif (adapter_ids.dtype is _TORCH_INT64[0] and adapter_ids.is_cpu
-                  and adapter_ids.is_contiguous() and not adapter_ids.is_neg()):
-                aidp = _cast(_INT64P, adapter_ids.data_ptr())
-            else:
-                return None
-        if type(out) is ndarray:
-            n = expert_ids.size
-            xp, op = from_buffer(x), from_buffer(CHARS, out, True)  # ValueError: see above
-            idp = from_buffer(INT64S, expert_ids)
-        else:
-            n = out.numel() // rows
-            if not (x.is_cpu and out.is_cpu and expert_ids.is_cpu and not out.requires_grad
-                    and x.is_contiguous() and out.is_contiguous() and expert_ids.is_contiguous()
-                    and not (x.is_neg() or out.is_neg() or expert_ids.is_neg())):
-                return None
-            _note_write(out)
-            xp, op = _cast(_VOIDP, x.data_ptr()), _cast(_VOIDP, out.data_ptr())
-            idp = _cast(_INT64P, expert_ids.data_ptr())
-        if not n:
-            return None
-    except _TENSOR_MISS + (ValueError,):
-        return None
-    return _apply(table.n_kernel, table.first, table.ptrs, table.scales(), table.n_entries,
-                  table.starts_c, n_experts, aidp, NULL, every, idp, x_every, rows, cols, n, xp,
-                  xc, cols, op, oc, rows, NULL)
-
-
-def _expert_ids(expert_ids):
-    """(ids, C pointer): an int64 CPU tensor that is contiguous is read in place, anything else
-    becomes an int64 C-contiguous NumPy array (bool and float ids: TypeError)."""
-    if arrays.is_tensor(expert_ids):
-        arrays.check_tensor_place(expert_ids, "expert_ids")
-        torch = arrays.torch_module()
-        if (expert_ids.dtype == torch.int64 and expert_ids.is_contiguous()
-                and not expert_ids.is_neg()):
-            return expert_ids, _cast(_INT64P, expert_ids.data_ptr())
-    ids = arrays.as_ids(expert_ids, "expert_ids", any_shape=True)
-    return ids, from_buffer(INT64S, ids)
-
-
-def _bank_ids(adapter_ids, scales, ishape):
-    """A bank's adapter ids (and scales): per token (``ishape[:-1]`` or a prefix of it) or per
-    slot (``ishape``).  Returns (ids, ptr, scales, ptr, slots per id)."""
-    ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
-    if ids.ndim == 0 and len(ishape) == 1:  # one token's k slots
-        return with_scales(ids, scales, ishape[0])
-    return with_scales(ids, scales, arrays.per_id_shape(ids, ishape, "adapter_ids"))
-
-
-def _np_ids(ids):
-    return ids if isinstance(ids, ndarray) else np.asarray(ids.detach().cpu())
-
-
-def _raise(status, table, ids, aids, pos, bad):
-    """The exception for a nonzero status of ``lora_apply_experts``."""
-    at = int(bad[0])
-    if status == _ERR_INDEX:
-        ids = _np_ids(ids)
-        v = int(ids.reshape(-1)[at])
-        if table._expert_shape is None:
-            valid, hint = "-1 (no expert) and ids >= 0", ""
-        else:
-            n = table._expert_shape[0]
-            valid = f"-1 (no expert) and 0..{n - 1}"
-            hint = (" (n_experts is the expert-parallel sentinel: mask such slots to -1)"
-                    if v == n else "")
-        raise IndexError(f"expert id {v} at position {arrays.position_of(ids, at)} is out of "
-                         f"range: valid ids are {valid}{hint}")
-    if status == _ERR_ADAPTER:
-        arrays.raise_status(status, adapter_ids=aids, n_entries=table.n_entries, bad=bad)
-    arrays.raise_status(status, bad=bad, scales=pos)
-
-
-def _shapeless(table, x, out, ids, aids, pos):
-    """A table none of whose entries holds experts: out and x checked as arrays, the ids
-    checked as far as they can be (no expert count: only -1 and up), nothing added."""
-    if not (isinstance(out, ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
-        arrays.batched_shape(out, "rows", "out")  # raises
-    arrays.check_out(out, tuple(out.shape), batched=True)
-    if arrays.is_tensor(x):
-        arrays.check_tensor_place(x, "x")
-        if not x.dtype.is_floating_point:
-            raise TypeError(f"x must be a real floating array; got dtype {arrays.dtype_name(x)}")
-    arrays.no_overlap(x, out)
-    flat = _np_ids(ids).reshape(-1)
-    wrong = np.flatnonzero(flat < -1)
-    if wrong.size:
-        _raise(_ERR_INDEX, table, ids, None, None, ffi.new("int64_t *", int(wrong[0])))
-    if aids is not None:
-        af = aids.reshape(-1)
-        wrong = np.flatnonzero((af < -1) | (af >= table.n_entries))
-        if wrong.size:
-            _raise(_ERR_ADAPTER, table, ids, aids, pos, ffi.new("int64_t *", int(wrong[0])))
-    return out

@@ -1,7 +1,8 @@
-"""LoraDelta's C entries (lora._edge): the common case (NumPy arrays or plain CPU tensors of the
-exact shapes, contiguous, dtypes the kernels read) is taken in C and gives the bits of the cffi
-call on the same memory; everything else is declined to the checked path, which still raises
-or converts as before; the entries survive any argument the Python layer could hand them."""
+"""The one edge (lora._edge.apply): the common case (NumPy arrays or plain CPU tensors of the op's
+shapes, the last axis contiguous, dtypes the kernels read) is taken in C and gives the bits of a
+lora_call made through cffi on the same memory; everything else is declined to the checked path
+(lora._apply), which still raises or converts as before; the entry survives any argument the
+Python layer could hand it."""
 
 import warnings
 
@@ -10,8 +11,7 @@ import pytest
 
 import lora
 import lora.delta as delta_mod
-from lora import _edge
-from lora import _calls
+from lora import _apply, _edge
 from lora._lora_cffi import ffi, lib
 from conftest import assert_same_bits, make_delta
 
@@ -36,21 +36,28 @@ def _arrays(rng, lead, xdt, odt):
 
 
 def _cffi_ref(d, x, out):
-    """The same call through cffi on copies: what the ndarray path computed before lora._edge."""
+    """The same call through cffi on copies: one lora_call of a table of one entry."""
     x, out = x.copy(), out.copy()
-    s = d._scale._value * d._alpha_factor
-    xp, op = ffi.from_buffer(x), ffi.from_buffer(out, require_writable=True)
-    xc, oc = CODE[x.dtype.name], CODE[out.dtype.name]
-    if x.ndim == 1:
-        st = _calls.lora_add(d._ptr, s, xp, xc, op, oc)
-    else:
-        st = _calls.lora_add_batch(d._ptr, s, x.size // COLS, xp, xc, COLS, op, oc, ROWS)
-    assert st == 0
+    c = ffi.new("lora_call *")
+    first = ffi.new("int64_t[2]", [0, 1])
+    ptrs = ffi.new("lora_delta *[1]", [d._ptr])
+    sc = ffi.new("double[1]", [float(np.float32(d._scale._value * d._alpha_factor))])
+    c.op, c.n_entries, c.first, c.deltas, c.scales = lib.LORA_OP_PROJECT, 1, first, ptrs, sc
+    c.rows, c.cols, c.n = ROWS, COLS, max(x.size // COLS, 1)
+    c.x, c.x_dtype, c.ldx = ffi.from_buffer(x), CODE[x.dtype.name], COLS
+    c.out, c.out_dtype, c.ldo = ffi.from_buffer(out, require_writable=True), CODE[out.dtype.name], ROWS
+    assert lib.lora_apply(c) == 0
     return out
 
 
-def _counting(monkeypatch, name):
-    """Wrap lora.delta's binding of an edge entry: the statuses it returned, in order."""
+def _edge_call(d, op, x, out, scale=None):
+    """lora._edge.apply on a delta's own view: 0, DECLINE or (status, bad)."""
+    s = d._scale._value * d._alpha_factor if scale is None else scale
+    return _edge.apply(d.edge_view(), s, op, x, out, None, None, None, None)
+
+
+def _counting(monkeypatch, name="_edge_apply"):
+    """Wrap lora.delta's binding of the edge: the statuses it returned, in order."""
     seen = []
     real = getattr(delta_mod, name)
 
@@ -70,9 +77,9 @@ def test_ndarrays_take_the_edge_with_the_cffi_bits(d, monkeypatch, xdt, odt, lea
     rng = np.random.default_rng(1)
     x, out = _arrays(rng, lead, xdt, odt)
     ref = _cffi_ref(d, x, out)
-    method, entry = ("add_to", "_edge_add") if not lead else ("add_batch_to", "_edge_add_batch")
+    method = "add_to" if not lead else "add_batch_to"
     getattr(d, method)(x.copy(), out.copy())  # bfloat16 joins the fast dtypes at its first array
-    seen = _counting(monkeypatch, entry)
+    seen = _counting(monkeypatch)
     assert getattr(d, method)(x, out) is out
     assert seen == [0]  # taken in C, not declined to the Python paths
     assert_same_bits(out, ref)
@@ -82,7 +89,7 @@ def test_a_nonnative_or_strided_array_is_declined_and_still_right(d, monkeypatch
     rng = np.random.default_rng(2)
     x, out = _arrays(rng, (), "float32", "float32")
     ref = _cffi_ref(d, x, out)
-    seen = _counting(monkeypatch, "_edge_add")
+    seen = _counting(monkeypatch)
     cases = [(x.astype(">f4"), out.copy()),                        # not the canonical dtype object
              (np.repeat(x, 2)[::2], out.copy()),                    # strided x
              (x.astype(np.float64), out.copy())]                    # converted by the checked path
@@ -104,7 +111,7 @@ def test_declines_leave_the_checked_paths_errors(d):
              (np.ones(COLS + 1, np.float32), np.zeros(ROWS, np.float32), ValueError),
              (x, np.zeros(ROWS, np.int32), TypeError), (x, [0.0] * ROWS, TypeError)]
     for xi, oi, err in cases:
-        assert _edge.add_to(d._addr, 1.0, xi, oi) == DECLINE
+        assert _edge_call(d, _apply.OP_VEC, xi, oi, 1.0) == DECLINE
         with pytest.raises(err):
             d.add_to(xi, oi)
     assert not ro.any()
@@ -114,10 +121,11 @@ def test_overlap_and_bad_scale_come_back_as_c_statuses():
     rng = np.random.default_rng(3)
     sq = make_delta(rng, RANK, COLS, COLS)
     buf = np.ones(COLS, np.float32)
-    assert _edge.add_to(sq._addr, 1.0, buf, buf) == lib.LORA_ERR_OVERLAP
+    assert _edge_call(sq, _apply.OP_VEC, buf, buf, 1.0) == (lib.LORA_ERR_OVERLAP, -1)
     with pytest.raises(ValueError):
         sq.add_to(buf, buf)
-    assert _edge.add_to(sq._addr, 1e300, buf, np.zeros(COLS, np.float32)) == lib.LORA_ERR_SCALE
+    assert _edge_call(sq, _apply.OP_VEC, buf, np.zeros(COLS, np.float32), 1e300) == \
+        (lib.LORA_ERR_SCALE, -1)
 
 
 def test_warn_on_write_views_are_declined():
@@ -129,7 +137,7 @@ def test_warn_on_write_views_are_declined():
     out, _ = np.broadcast_arrays(np.zeros(ROWS, np.float32), np.zeros((1, ROWS), np.float32))
     assert out.flags.c_contiguous
     x = np.ones((1, COLS), np.float32)
-    assert _edge.add_batch_to(dd._addr, 1.0, x, out) == DECLINE
+    assert _edge_call(dd, _apply.OP_BATCH, x, out, 1.0) == DECLINE
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dd.add_batch_to(x, out)
@@ -144,7 +152,7 @@ def test_unaligned_out_is_refused_and_unaligned_x_is_copied(d):
     xo = raw[1:].view(np.float32)
     xo[:] = x
     s = d._scale._value * d._alpha_factor
-    assert _edge.add_to(d._addr, s, xo, out.copy()) == lib.LORA_ERR_ALIGN
+    assert _edge_call(d, _apply.OP_VEC, xo, out.copy(), s) == (lib.LORA_ERR_ALIGN, -1)
     o = out.copy()
     d.add_to(xo, o)
     assert_same_bits(o, ref)
@@ -154,24 +162,45 @@ def test_unaligned_out_is_refused_and_unaligned_x_is_copied(d):
 
 
 def test_empty_batch_is_a_no_op(d, monkeypatch):
-    seen = _counting(monkeypatch, "_edge_add_batch")
+    seen = _counting(monkeypatch)
     out = np.zeros((0, ROWS), np.float32)
     assert d.add_batch_to(np.zeros((0, COLS), np.float32), out) is out
     assert seen == [0]
 
 
+def _view():
+    return make_delta(np.random.default_rng(0), RANK, ROWS, COLS).edge_view()
+
+
 @pytest.mark.parametrize("args", [
-    (), (0,), (0, 1.0, None), (0, 1.0, None, None, None),
-    (0, 1.0, np.ones(COLS, np.float32), np.zeros(ROWS, np.float32)),      # NULL delta
-    ("x", 1.0, np.ones(COLS, np.float32), np.zeros(ROWS, np.float32)),
-    (1, "s", np.ones(COLS, np.float32), np.zeros(ROWS, np.float32)),
+    (), (0,), (_view(), 1.0, 0, None), (_view(), 1.0, 0, None, None, None, None, None),
+    ((0, 0, 0, ROWS, COLS, 0, -1, 0, 0, 0), 1.0, 0, np.ones(COLS, np.float32),
+     np.zeros(ROWS, np.float32), None, None, None, None),                          # not a view
+    ("x", 1.0, 0, np.ones(COLS, np.float32), np.zeros(ROWS, np.float32), None, None, None, None),
+    (_view(), "s", 0, np.ones(COLS, np.float32), np.zeros(ROWS, np.float32), None, None, None,
+     None),
+    (_view(), 1.0, 99, np.ones(COLS, np.float32), np.zeros(ROWS, np.float32), None, None, None,
+     None),                                                                         # no such op
 ])
-@pytest.mark.parametrize("entry", [_edge.add_to, _edge.add_batch_to])
-def test_malformed_calls_raise(args, entry):
-    """A private module's entries, called only with a live delta's address; what they can check
-    (the argument count and kinds, a NULL address) raises instead of crashing."""
+def test_malformed_calls_raise(args):
+    """A private module's entry, called only with a live table's view; what it can check (the
+    argument count and kinds, a NULL table, an unknown op) raises instead of crashing."""
     with pytest.raises((TypeError, ValueError, OverflowError)):
-        entry(*args)
+        _edge.apply(*args)
+
+
+@pytest.mark.parametrize("args", [(), (1, 0, 0, ROWS, COLS, 0, -1, 0, 0, 0, None),  # NULL first
+                                  (1, 8, 8, 0, COLS, 0, -1, 0, 0, 0, None), ("x",) * 11])
+def test_a_view_of_nothing_is_refused(args):
+    with pytest.raises((TypeError, ValueError)):
+        _edge.view(*args)
+
+
+@pytest.mark.parametrize("args", [(), (0, ROWS, COLS, None), ("x", ROWS, COLS, None),
+                                  (8, "r", COLS, None)])
+def test_a_view_of_no_delta_is_refused(args):
+    with pytest.raises((TypeError, ValueError)):
+        _edge.view_of_delta(*args)
 
 
 def test_setup_refuses_what_is_not_a_type_or_callable():
@@ -215,9 +244,9 @@ def test_tensors_take_the_edge_with_the_cffi_bits(d, monkeypatch, xdt, odt, lead
     x, out = _arrays(rng, lead, xdt, odt)
     ref = _cffi_ref(d, x, out)
     xt, ot = _as_torch(torch, x), _as_torch(torch, out)
-    method, entry = ("add_to", "_edge_add") if not lead else ("add_batch_to", "_edge_add_batch")
+    method = "add_to" if not lead else "add_batch_to"
     getattr(d, method)(_as_torch(torch, x), _as_torch(torch, out))  # the first tensor sets torch up
-    seen = _counting(monkeypatch, entry)
+    seen = _counting(monkeypatch)
     assert getattr(d, method)(xt, ot) is ot
     assert seen == [0]
     assert_same_bits(_as_np(torch, ot), ref)
@@ -233,7 +262,7 @@ def test_tensor_views_at_an_offset_read_their_own_memory(d):
     ob = torch.zeros(ROWS + 9)
     ob[3:3 + ROWS] = torch.from_numpy(out)
     xv, ov = xb[5:5 + COLS], ob[3:3 + ROWS]
-    assert _edge.add_to(d._addr, d._scale._value * d._alpha_factor, xv, ov) == 0
+    assert _edge_call(d, _apply.OP_VEC, xv, ov) == 0
     assert_same_bits(ov.numpy(), ref)
     assert not ob[:3].any() and not ob[3 + ROWS:].any()
 
@@ -242,7 +271,6 @@ def test_tensors_the_edge_declines(d):
     torch = _torch()
     x, o = torch.ones(COLS), torch.zeros(ROWS)
     d.add_to(x, torch.zeros(ROWS))  # sets torch up
-    a = d._addr
     declined = [
         (torch._neg_view(x), o),                                   # the neg bit
         (torch._efficientzerotensor(COLS), o),                     # no memory
@@ -253,13 +281,37 @@ def test_tensors_the_edge_declines(d):
         (x.to_sparse(), o),
         (torch.ones(COLS, dtype=torch.int32), o),
         (torch.ones(COLS, dtype=torch.float64), o),
-        (np.ones(COLS, np.float32), o),                            # mixed kinds
-        (x, np.zeros(ROWS, np.float32)),
         (torch.ones(1, COLS), o),                                  # the wrong rank
     ]
     for xi, oi in declined:
-        assert _edge.add_to(a, 1.0, xi, oi) == DECLINE
+        assert _edge_call(d, _apply.OP_VEC, xi, oi, 1.0) == DECLINE
     assert not o.any()
+
+
+def test_a_tensor_and_an_array_together_take_the_edge(d):
+    """x and out are read each on its own: a NumPy x with a tensor out, and the other way."""
+    torch = _torch()
+    rng = np.random.default_rng(21)
+    x, out = _arrays(rng, (3,), "float32", "float32")
+    ref = _cffi_ref(d, x, out)
+    d.add_to(torch.ones(COLS), torch.zeros(ROWS))  # sets torch up
+    for xi, oi in ((x, torch.from_numpy(out.copy())), (torch.from_numpy(x), out.copy())):
+        assert _edge_call(d, _apply.OP_BATCH, xi, oi) == 0
+        assert_same_bits(np.asarray(oi), ref)
+
+
+def test_row_strided_views_take_the_edge(d):
+    """A row-strided out (the q columns of a fused qkv output) and x are read in place."""
+    rng = np.random.default_rng(22)
+    x, out = _arrays(rng, (4,), "float32", "float32")
+    ref = _cffi_ref(d, x, out)
+    wide_x = np.zeros((4, COLS + 5), np.float32)
+    wide_x[:, :COLS] = x
+    wide = np.zeros((4, ROWS + 11), np.float32)
+    wide[:, 3:3 + ROWS] = out
+    assert _edge_call(d, _apply.OP_BATCH, wide_x[:, :COLS], wide[:, 3:3 + ROWS]) == 0
+    assert_same_bits(wide[:, 3:3 + ROWS], ref)
+    assert not wide[:, :3].any() and not wide[:, 3 + ROWS:].any()
 
 
 def test_neg_view_x_is_resolved_by_the_checked_path(d):
@@ -277,10 +329,10 @@ def test_tensor_out_is_version_bumped_under_grad_mode_only(d):
     x, o = torch.ones(COLS), torch.zeros(ROWS)
     d.add_to(x, o)
     v = o._version
-    assert _edge.add_to(d._addr, 1.0, x, o) == 0
+    assert _edge_call(d, _apply.OP_VEC, x, o, 1.0) == 0
     assert o._version == v + 1
     with torch.no_grad():
-        assert _edge.add_to(d._addr, 1.0, x, o) == 0
+        assert _edge_call(d, _apply.OP_VEC, x, o, 1.0) == 0
     assert o._version == v + 1
 
 
@@ -449,24 +501,33 @@ def _dora(rng):
                           alpha=2.0 * RANK)
 
 
-def test_dora_tables_keep_the_python_path():
+def test_dora_tables_take_the_edge(monkeypatch):
+    """A member with an epilogue (DoRA's row factor) is one more table member to the edge: a
+    bank of DoRA and plain entries takes it, and per-position scales take the checked path,
+    which makes each position's row factors; both give the checked path's bits."""
     rng = np.random.default_rng(16)
-    assert lora.LoraBank([_dora(rng)])._table._edge is None
-    assert lora.LoraBank(_deltas(rng))._table._edge is not None
+    bank = lora.LoraBank([_dora(rng)] + _deltas(rng, 2))
+    x = rng.standard_normal((5, COLS)).astype(np.float32)
+    ids = np.array([0, 2, 0, -1, 1], np.int64)
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: bank.add_batch_to(x, o, ids),
+                              lambda: np.ones((5, ROWS), np.float32))
+    assert seen == [0]
+    assert_same_bits(o1, o2)
+    pos = np.array([0.5, 1.0, 2.0, 1.0, 0.0])
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: bank.add_batch_to(x, o, ids, pos),
+                              lambda: np.ones((5, ROWS), np.float32))
+    assert seen == [DECLINE]
+    assert_same_bits(o1, o2)
 
 
-def test_a_dora_stack_decode_keeps_the_ndarray_fast_path(monkeypatch):
-    """A table without an edge view (a stack holding a DoRA member) still takes contiguous
-    arrays without the checked path."""
+def test_a_dora_stack_decode_takes_the_edge(monkeypatch):
+    """A stack holding a DoRA member decodes in C, with the checked path's bits."""
     stack = lora.LoraStack([_dora(np.random.default_rng(19))])
-    x, out = np.ones(COLS, np.float32), np.zeros(ROWS, np.float32)
-    ref = stack.add_to(x, out.copy())
-
-    def checked(*args):
-        raise AssertionError("the checked path was taken")
-
-    monkeypatch.setattr(entries_mod.dispatch, "run_vec", checked)
-    assert_same_bits(stack.add_to(x, out), ref)
+    x = np.ones(COLS, np.float32)
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: stack.add_to(x, o),
+                              lambda: np.ones(ROWS, np.float32))
+    assert seen == [0]
+    assert_same_bits(o1, o2)
 
 
 def test_a_tensor_bank_takes_the_edge(monkeypatch):

@@ -1,29 +1,31 @@
 /*
  * csrc/python/edge_peft.h - lora._edge's plan_run: the short path of a PEFT LoRA Linear layer
- * under accelerate_peft (lora._accel_lora.Plan), in C.
+ * under accelerate_peft (lora.peft_accel's Plan), in C: the one copy of the checks that PEFT's
+ * state has not moved since the plan was made.
  *
  * At batch-1 decode a layer's call is mostly the checks that PEFT's state has not moved since
  * the plan was made (active adapters, merge and disable flags, hooks, the adapter modules and
  * their parameters, the scaling) and then one kernel call.  Between two layers the base model
  * streams megabytes of weights through the caches, so these checks run with cold caches; in
  * Python each attribute read is a chain of dependent lookups through the interpreter.  Here the
- * same reads are a few C calls each, in the order of Plan.run, with the same rules.
+ * same reads are a few C calls each, with the rules of the Python layer's full path.
  *
  * A plan serves either the layer's active adapters (summed in order, one stack) or one mixed
  * batch of PEFT's adapter_names (row b on its own adapter, through the entry table's ids: the
- * call the Python mixed path makes).
+ * call the Python mixed path makes).  DoRA adapters are members with a row-factor epilogue; what
+ * their statistics were made from is the plan's `watch`, a Python callable (DoRA's room) that
+ * answers whether it still holds.
  *
  * plan_run(plan, x) answers
  *   the layer's output    the base layer ran and the LoRA term was added in place;
- *   None                  declined before the base layer ran: the Python plan takes the call
- *                         from its start (its checks then find what moved, or grad mode, or an
- *                         x this path does not take);
+ *   None                  declined before the base layer ran: the Python layer takes the call
+ *                         from its start (its checks then find what moved, or an x this path
+ *                         does not take);
  *   (result, base)        the base layer ran (once: hooks may count calls), but its result is
  *                         not the fast case, or C refused the call: the Python plan's tail
  *                         takes it from there and raises the precise error.
- * The plan tuple is built by Plan.__init__ (PLAN_* below are its fields) and holds what keeps
- * the C call's memory alive.  Grad mode declines here: the Python plan checks what autograd
- * records and bumps the version counter.  Included by edge.c (one extension, one state E).
+ * The plan tuple is built by the Python Plan (PLAN_* below are its fields) and holds what keeps
+ * the C call's memory alive.  Included by edge.c (one extension, one state E).
  */
 
 enum {
@@ -37,26 +39,22 @@ enum {
     PLAN_CODES,        /* tuple of (A dtype code, B dtype code) */
     PLAN_SCALINGS,     /* tuple of the scaling values */
     PLAN_NDIM,         /* x's number of axes */
-    PLAN_ROWS,
-    PLAN_COLS,
     PLAN_HOOKS,        /* torch.nn.modules.module: where torch keeps global module hooks */
-    PLAN_DELTA,        /* one adapter: its delta's address (lora_add_batch), else 0 */
-    PLAN_SCALE,        /* that delta's scale (a float, rounded once to float32 by the call) */
-    PLAN_TABLE,        /* the entry table's view for lora._edge: (n_kernel, first address,
-                          deltas address, ...) */
-    PLAN_SCALES,       /* the table's scales as (address, array) */
+    PLAN_VIEW,         /* the entry table's view (see read_view in edge.c) */
+    PLAN_SCALES,       /* the table's scales as (address, epilogue data address, ...) */
     PLAN_IDS,          /* a mixed batch: int64 ndarray [x.shape[0]], row b's entry (-1: none);
                           else None */
     PLAN_ABSENT,       /* a mixed batch's adapter names this layer does not hold (still absent) */
     PLAN_KEEP,         /* the entry table: it owns the deltas behind the addresses */
     PLAN_TYPES,        /* tuple of (type(lora_A[a]), type(lora_B[a]), type(lora_dropout[a])) */
+    PLAN_WATCH,        /* None, or a callable: True while the DoRA statistics still hold */
     PLAN_FIELDS
 };
 
 static struct {
     PyObject *dict, *active, *disable, *merged, *training, *modules, *base_layer, *lora_a,
         *lora_b, *dropout, *fwd_hooks, *fwd_pre_hooks, *parameters, *weight, *p,
-        *scaling, *g_fwd_hooks, *g_fwd_pre_hooks, *forward, *bias;
+        *scaling, *g_fwd_hooks, *g_fwd_pre_hooks, *forward, *bias, *requires_grad;
 } PN;
 
 static int plan_names(void)
@@ -70,7 +68,7 @@ static int plan_names(void)
         {&PN.parameters, "_parameters"}, {&PN.weight, "weight"}, {&PN.p, "p"},
         {&PN.scaling, "scaling"}, {&PN.g_fwd_hooks, "_global_forward_hooks"},
         {&PN.g_fwd_pre_hooks, "_global_forward_pre_hooks"}, {&PN.forward, "forward"},
-        {&PN.bias, "bias"},
+        {&PN.bias, "bias"}, {&PN.requires_grad, "requires_grad"},
     };
     for (size_t i = 0; i < sizeof n / sizeof n[0]; i++)
         if ((*n[i].slot = PyUnicode_InternFromString(n[i].s)) == NULL)
@@ -83,7 +81,7 @@ static int plan_names(void)
  * (KeyboardInterrupt), which propagates. */
 static int plan_miss(void)
 {
-    return PyErr_Occurred() ? tensor_miss() : EDGE_DECLINE;
+    return PyErr_Occurred() ? miss() : EDGE_DECLINE;
 }
 
 /* 1 when attribute `name` of `o` is truthy (a hook dict, a flag), 0 when not, or a miss */
@@ -171,7 +169,25 @@ static int plain_module(PyObject *mod, PyObject *type, int factor, int *miss)
     return !factor || attr_item(mod, PN.parameters, PN.bias, miss) == Py_None;
 }
 
-/* the checks of Plan.run before its base call, in its order: 0 with *base (a new reference),
+/* in grad mode: a base layer without submodules none of whose own parameters requires grad */
+static int base_grad_free(PyObject *base, int *miss)
+{
+    PyObject *mods = PyObject_GetAttr(base, PN.modules);
+    PyObject *params = mods != NULL ? PyObject_GetAttr(base, PN.parameters) : NULL;
+    int ok = mods != NULL && PyDict_Check(mods) && PyDict_Size(mods) == 0 && params != NULL
+             && PyDict_Check(params);
+    Py_ssize_t pos = 0;
+    PyObject *key, *val;
+    while (ok && PyDict_Next(params, &pos, &key, &val))
+        ok = val == Py_None || attr_true(val, PN.requires_grad, miss) == 0;
+    Py_XDECREF(mods);
+    Py_XDECREF(params);
+    if (PyErr_Occurred())
+        *miss = plan_miss();
+    return ok;
+}
+
+/* the checks of a plan before its base call: 0 with *base (a new reference),
  * EDGE_DECLINE, or -2.  What it reads from a dict it holds by a strong reference while it
  * calls anything that might run Python code. */
 static int plan_check(PyObject *plan, PyObject **base)
@@ -205,9 +221,14 @@ static int plan_check(PyObject *plan, PyObject **base)
     Py_XINCREF(b);
     if (b == NULL)
         goto out;
-    /* autograd: the Python plan's rules (what records, the version counter) */
+    /* autograd records when grad mode is on and x, a LoRA weight or a base weight requires
+     * grad: then PEFT's own forward (x is checked by plan_run, the base layer's own
+     * parameters here, the adapters' below; a base layer with submodules is left to the
+     * Python layer in grad mode) */
     int grad = is_true(PyObject_CallObject(E.grad_enabled, NULL));
-    if (grad != 0)
+    if (grad < 0)
+        goto out;
+    if (grad && !base_grad_free(b, &miss))
         goto out;
     PyObject *g = PyTuple_GetItem(plan, PLAN_HOOKS);
     if (attr_true(g, PN.g_fwd_hooks, &miss) != 0 || attr_true(g, PN.g_fwd_pre_hooks, &miss) != 0)
@@ -265,7 +286,8 @@ static int plan_check(PyObject *plan, PyObject **base)
         for (int i = 0; ok && i < 2; i++) {
             PyObject *p = PyTuple_GetItem(pq, i);
             ok = attr_item(PyTuple_GetItem(mq, i), PN.parameters, PN.weight, &miss) == p
-                 && same_tensor(p, kq, i, PyTuple_GetItem(cq, i), &miss);
+                 && same_tensor(p, kq, i, PyTuple_GetItem(cq, i), &miss)
+                 && (!grad || attr_true(p, PN.requires_grad, &miss) == 0);
         }
         if (ok) {
             PyObject *s = PyDict_GetItemWithError(scaling, a);
@@ -305,47 +327,48 @@ static PyObject *edge_plan_run(PyObject *self, PyObject *args)
         return NULL;
     }
     const int64_t nd = PyLong_AsLongLong(PyTuple_GetItem(plan, PLAN_NDIM));
-    const int64_t rows = PyLong_AsLongLong(PyTuple_GetItem(plan, PLAN_ROWS));
-    const int64_t cols = PyLong_AsLongLong(PyTuple_GetItem(plan, PLAN_COLS));
-    const lora_delta *delta = PyLong_AsVoidPtr(PyTuple_GetItem(plan, PLAN_DELTA));
-    const double scale = PyFloat_AsDouble(PyTuple_GetItem(plan, PLAN_SCALE));
-    PyObject *tab = PyTuple_GetItem(plan, PLAN_TABLE), *ids = PyTuple_GetItem(plan, PLAN_IDS);
-    PyObject *sc = PyTuple_GetItem(plan, PLAN_SCALES);
-    if (PyErr_Occurred())
+    PyObject *ids = PyTuple_GetItem(plan, PLAN_IDS), *watch = PyTuple_GetItem(plan, PLAN_WATCH);
+    table_view v;
+    double one;
+    if (PyErr_Occurred()
+        || read_view(PyTuple_GetItem(plan, PLAN_VIEW), PyTuple_GetItem(plan, PLAN_SCALES), &v,
+                     &one) < 0)
         return NULL;
-    if (!PyTuple_Check(tab) || PyTuple_Size(tab) < 3 || !PyTuple_Check(sc) || PyTuple_Size(sc) < 1) {
-        PyErr_SetString(PyExc_TypeError, "lora._edge: plan_run: a table and scales view");
-        return NULL;
-    }
-    const int64_t n_kernel = PyLong_AsLongLong(PyTuple_GetItem(tab, 0));
-    const int64_t *first = PyLong_AsVoidPtr(PyTuple_GetItem(tab, 1));
-    const lora_delta *const *deltas = PyLong_AsVoidPtr(PyTuple_GetItem(tab, 2));
-    const double *scales = PyLong_AsVoidPtr(PyTuple_GetItem(sc, 0));
-    if (PyErr_Occurred())
-        return NULL;
-    if ((delta == NULL && (first == NULL || deltas == NULL || scales == NULL || n_kernel < 1))
-        || (delta != NULL && ids != Py_None) || rows < 2 || cols < 2 || nd < 2) {
+    lora_call *c = &v.c;
+    if (c->rows < 2 || c->cols < 2 || nd < 2 || (c->epilogues != NULL && v.epi_op != OP_BATCH)) {
         PyErr_SetString(PyExc_ValueError, "lora._edge: plan_run: a plan without its deltas");
         return NULL;
     }
-    /* x: a plain contiguous CPU tensor of the plan's axes, else the Python plan takes it */
+    /* x: a plain contiguous CPU tensor of the plan's axes that does not require grad (which
+     * only matters in grad mode: plan_check reads it), else the Python layer takes it */
     if (E.tensor == NULL || Py_TYPE(x) != E.tensor)
         Py_RETURN_NONE;
-    facts fx, fo;
-    fx.keep = fo.keep = NULL;
-    int st = tensor_facts(x, 0, &fx);
-    const int64_t *idp = NULL;
-    if (st == 0 && fx.nd != nd)
-        st = EDGE_DECLINE;
+    facts fx, fo, fi;
+    fx.keep = fo.keep = fi.keep = NULL;
+    int st = tensor_facts(x, 0, -1, &fx), m = EDGE_DECLINE;
+    int64_t nx = 0;
+    if (st == 0 && (fx.nd != nd || rows_of(&fx, c->cols, &nx, &c->ldx) != 0
+                    || attr_true(x, PN.requires_grad, &m) != 0))
+        st = m == EDGE_ERROR ? EDGE_ERROR : EDGE_DECLINE;
     /* a mixed batch: one id per leading row (PEFT's length check is the Python path's) */
-    if (st == 0 && ids != Py_None && (idp = vector_of(ids, E.int64, fx.dim[0])) == NULL)
-        st = EDGE_DECLINE;
+    if (st == 0 && ids != Py_None) {
+        if (facts_of(ids, 0, KIND_I64, &fi) != 0 || fi.nd != 1 || fi.dim[0] != fx.dim[0])
+            st = EDGE_DECLINE;
+        else
+            c->entry_ids = fi.ptr;
+    }
     PyObject *base = NULL;
     if (st == 0)
         st = plan_check(plan, &base);
+    if (st == 0 && watch != Py_None) { /* the DoRA statistics: DoRA's own rule, in Python */
+        const int held = is_true(PyObject_CallObject(watch, NULL));
+        st = held == 1 ? 0 : held == 0 ? EDGE_DECLINE : miss();
+    }
     if (st != 0) {
+        Py_XDECREF(base);
         Py_XDECREF(fx.keep);
-        if (st == -2)
+        Py_XDECREF(fi.keep);
+        if (st == EDGE_ERROR)
             return NULL;
         Py_RETURN_NONE;
     }
@@ -353,43 +376,41 @@ static PyObject *edge_plan_run(PyObject *self, PyObject *args)
     if (result == NULL) {
         Py_DECREF(base);
         Py_XDECREF(fx.keep);
+        Py_XDECREF(fi.keep);
         return NULL;
     }
     /* the tail: a fresh plain tensor out of the stack's shape, no hooks on the base layer that
      * might keep it; else the Python tail */
-    int miss = EDGE_DECLINE;
+    m = EDGE_DECLINE;
     st = EDGE_DECLINE;
-    if (Py_TYPE(result) != E.tensor || attr_true(base, PN.fwd_hooks, &miss) != 0)
+    if (Py_TYPE(result) != E.tensor || attr_true(base, PN.fwd_hooks, &m) != 0)
         goto tail;
-    if ((st = tensor_facts(result, 1, &fo)) != 0)
+    if ((st = tensor_facts(result, 1, -1, &fo)) != 0)
         goto tail;
     st = EDGE_DECLINE;
-    int64_t n = 1;
-    if (fo.nd != nd || fx.dim[nd - 1] != cols || fo.dim[nd - 1] != rows)
+    if (fo.nd != nd || !same_dims(fx.dim, fo.dim, nd - 1) || rows_of(&fo, c->rows, &c->n, &c->ldo) != 0)
         goto tail;
-    for (int64_t i = 0; i < nd - 1; i++) {
-        if (fx.dim[i] != fo.dim[i])
-            goto tail;
-        n *= fo.dim[i];
-    }
-    st = 0;
+    c->op = LORA_OP_PROJECT;
+    c->x = fx.ptr, c->x_dtype = fx.code, c->out = fo.ptr, c->out_dtype = fo.code;
+    if (c->entry_ids != NULL)
+        c->ids_every = fx.dim[0] ? c->n / fx.dim[0] : 1;
     int64_t bad = -1;
-    if (n > 0) {
+    c->bad = &bad;
+    st = 0;
+    if (c->n > 0) {
+        if (note_write(result) < 0) {
+            st = EDGE_ERROR;
+            goto tail;
+        }
         Py_BEGIN_ALLOW_THREADS
-        static const int64_t one[2] = {0, 1};
-        const double s = (float)scale;
-        st = delta != NULL
-                 ? project(1, one, &delta, &s, NULL, NULL, 1, rows, cols, n, fx.ptr, fx.code, cols,
-                           fo.ptr, fo.code, rows, NULL)
-                 : project(n_kernel, first, deltas, scales, idp, NULL,
-                           idp != NULL ? n / fx.dim[0] : 1, rows, cols, n, fx.ptr, fx.code, cols,
-                           fo.ptr, fo.code, rows, &bad);
+        st = E.apply(c);
         Py_END_ALLOW_THREADS
     }
 tail:
     Py_XDECREF(fx.keep);
     Py_XDECREF(fo.keep);
-    if (st == -2 || (st != 0 && PyErr_Occurred() && miss == -2)) {
+    Py_XDECREF(fi.keep);
+    if (st == EDGE_ERROR || (st != 0 && PyErr_Occurred() && m == EDGE_ERROR)) {
         Py_DECREF(base);
         Py_DECREF(result);
         return NULL;
