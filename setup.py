@@ -29,7 +29,8 @@ edge = Extension(
     "lora._edge",
     sources=[os.path.join("csrc", "python", "edge.c")],
     include_dirs=["csrc", numpy.get_include()],
-    depends=[os.path.join("csrc", "lora.h"), os.path.join("csrc", "python", "edge_peft.h")],
+    depends=[os.path.join("csrc", "lora.h")]
+    + [os.path.join("csrc", "python", name) for name in ("edge_facts.h", "edge_view.h", "edge_peft.h")],
     extra_compile_args=_cflags,
     extra_link_args=_ldflags,
     py_limited_api=True,
