@@ -18,6 +18,7 @@ before the DoRA terms and put back after.
 import numpy as np
 
 from . import _arrays as arrays
+from . import _torch as torchs
 from . import _edge
 from . import _dtypes as dtypes
 from ._entries import EntryTable
@@ -712,7 +713,7 @@ class Plan:
         self.layer, self.module = layer, m
         torch = layer.acc._torch
         self.grad_enabled = torch.is_grad_enabled
-        codes = arrays.TORCH_CODES or arrays.torch_init()
+        codes = torchs.TORCH_CODES or torchs.torch_init()
         # What the plan checks is read here, once, from the live state, which another thread
         # may change meanwhile: the plan is kept (``ok``) only when what it read agrees with
         # itself (the adapters with the active value, the views with the tensors, the scales
@@ -800,7 +801,7 @@ class Plan:
         the table's call, edge first; a result the kernels do not take gets PEFT's own sum
         (`Layer.peft_tail`, `peft_mixed_tail`)."""
         layer = self.layer
-        if (arrays.TORCH_CODES.get(getattr(result, "dtype", None)) is None
+        if (torchs.TORCH_CODES.get(getattr(result, "dtype", None)) is None
                 or not layer.takes(x, result, self.names)):
             return self._peft(x, result)
         fresh = _writable(result, x, base, self.hooks)

@@ -21,6 +21,8 @@ per-position scales; it also raises for an op the target's epilogues do not serv
 import numpy as np
 
 from . import _arrays as arrays
+from . import _status
+from . import _torch as torchs
 from . import _dtypes as dtypes
 from . import _edge
 from ._lora_cffi import ffi, lib
@@ -85,7 +87,7 @@ def checked(target, op, x, out, ids=None, scales=None, extra=None):
         raise RuntimeError("lora-kernels: the checked arguments of a call were declined by the "
                            "C edge; please report this with the shapes and dtypes used")
     status, bad = st
-    arrays.raise_status(status, ids=tok if tok is not None else np.array([x]),
+    _status.raise_status(status, ids=tok if tok is not None else np.array([x]),
                         adapter_ids=idn, n_entries=target.n_entries, rows=rows, bad=[bad],
                         scales=posn)
     return out  # pragma: no cover - raise_status raises
@@ -116,10 +118,10 @@ def _scales_of(scales, idn):
 def rows_args(ids, out, cols):
     """The checks of the gathers: ids of any shape (at least 1-D), out [*ids.shape, cols].
     Returns (int64 ids, positions)."""
-    if not (isinstance(out, _ndarray) or arrays.is_tensor(out)):
+    if not (isinstance(out, _ndarray) or torchs.is_tensor(out)):
         arrays.check_out(out, None, shown=f"(n, {cols})")  # always raises: not an array
-    if arrays.is_tensor(out):
-        arrays.check_tensor_place(out, "out")  # device, layout, nested: before any shape is read
+    if torchs.is_tensor(out):
+        torchs.check_tensor_place(out, "out")  # device, layout, nested: before any shape is read
     tok = arrays.as_ids(ids, "ids", any_shape=True)
     if tok.ndim == 0:
         raise ValueError("ids must have at least one axis (a 0-d id is add_row_to's); got a "
@@ -143,7 +145,7 @@ def _experts(target, x, out, expert_ids, adapter_ids, scales):
     ishape = tuple(eids.shape)
     if not ishape:
         raise ValueError("expert_ids must have at least one axis ([..., k]); got a 0-d id")
-    if not (isinstance(x, _ndarray) or arrays.is_tensor(x)):
+    if not (isinstance(x, _ndarray) or torchs.is_tensor(x)):
         x = arrays.float_array(x, "x")
     eshape = target.expert_shape
     cols = eshape[2] if eshape is not None else (x.shape[-1] if x.shape else 0)
@@ -159,7 +161,7 @@ def _experts(target, x, out, expert_ids, adapter_ids, scales):
             f"x has shape {tuple(x.shape)}; with expert_ids of shape {ishape} it must be "
             f"{ishape[:-1] + (cols,)} (one row per token, shared by its {ishape[-1]} slots) or "
             f"{ishape + (cols,)} (one row per slot)")
-    if (isinstance(out, _ndarray) or arrays.is_tensor(out)) and (
+    if (isinstance(out, _ndarray) or torchs.is_tensor(out)) and (
             tuple(out.shape[:-1]) != ishape or len(out.shape) != len(ishape) + 1
             or eshape is not None and out.shape[-1] != eshape[1]):
         rows = eshape[1] if eshape is not None else "rows"
@@ -193,9 +195,9 @@ def _experts(target, x, out, expert_ids, adapter_ids, scales):
 def _expert_ids(expert_ids):
     """Expert ids as the edge reads them: an int64 CPU tensor that is contiguous as it is,
     anything else an int64 C-contiguous NumPy array (bool and float ids: TypeError)."""
-    if arrays.is_tensor(expert_ids):
-        arrays.check_tensor_place(expert_ids, "expert_ids")
-        torch = arrays.torch_module()
+    if torchs.is_tensor(expert_ids):
+        torchs.check_tensor_place(expert_ids, "expert_ids")
+        torch = torchs.torch_module()
         if (expert_ids.dtype == torch.int64 and expert_ids.is_contiguous()
                 and not expert_ids.is_neg()):
             return expert_ids
@@ -218,9 +220,9 @@ def raise_experts(status, target, eids, idn, posn, bad):
             valid = f"-1 (no expert) and 0..{n - 1}"
             hint = (" (n_experts is the expert-parallel sentinel: mask such slots to -1)"
                     if v == n else "")
-        raise IndexError(f"expert id {v} at position {arrays.position_of(ids, bad)} is out of "
+        raise IndexError(f"expert id {v} at position {_status.position_of(ids, bad)} is out of "
                          f"range: valid ids are {valid}{hint}")
-    arrays.raise_status(status, adapter_ids=idn, n_entries=target.n_entries, bad=[bad],
+    _status.raise_status(status, adapter_ids=idn, n_entries=target.n_entries, bad=[bad],
                         scales=posn)
 
 

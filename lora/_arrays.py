@@ -7,26 +7,22 @@ the batched methods, the number of positions and the leading dimension: the lead
 ``[..., n]`` must collapse to one axis with one stride (as NumPy's flags judge it: size-1 axes
 ignored) and the last axis must be contiguous.  An `x` that does not fit is converted to a
 float32 copy; an `out` that does not fit is refused, never written through a hidden copy.
-
-torch is never imported here: a tensor is recognised only when the caller's process already
-imported torch (``sys.modules``).
+What a tensor is (its place, dtype code, version counter) is lora._torch's.
 """
 
 import operator
-import sys
 
 import numpy as np
 
 from . import _dtypes as dtypes
-from . import _edge
-from ._lora_cffi import ffi, lib
+from ._lora_cffi import ffi
+from ._torch import (TORCH_CODES, check_tensor_place, is_tensor, note_write, torch_code,
+                     torch_init, torch_module)
 
 F32 = np.dtype(np.float32)  # what an x the kernels cannot read in place is converted to
 I64 = np.dtype(np.int64)
 I64_MAX = np.iinfo(np.int64).max
 _F32_CODE = dtypes.CODES["float32"]
-TORCH_CODES = {}  # dtypes.torch_codes(), filled in place at the first tensor
-_GRAD_ENABLED = _BUMP = None  # torch.is_grad_enabled, the version bump: filled with it
 _VOIDP = ffi.typeof("void *")
 np_code = dtypes.np_code
 
@@ -35,70 +31,6 @@ def is_float_dtype(dt):
     """A real floating NumPy dtype: NumPy's own (float64 included) or one of the dtypes of
     another package that the kernels read (ml_dtypes' bfloat16)."""
     return dt.kind == "f" or dtypes.is_extra_float(dt)
-
-
-def torch_module():
-    """torch, if this process imported it (never imported here)."""
-    return sys.modules.get("torch")
-
-
-def is_tensor(obj):
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def note_write(t):
-    """Tell autograd that tensor `t` is about to be written in place (its version counter), as
-    torch's own in-place ops do, so a backward that saved `t` raises instead of silently using
-    the new values.  Done when grad mode is on; under torch.no_grad() / inference_mode() the
-    write is like a ``.data`` write, which autograd does not track either."""
-    if _GRAD_ENABLED():
-        _BUMP((t,))
-
-
-def torch_init():
-    """Fill the tensor dtype codes and the autograd hooks at the first tensor seen: the version
-    bump is torch's own ``autograd.graph.increment_version`` without its Python wrapper (~0.1 us
-    a call) where torch has that entry point."""
-    global _GRAD_ENABLED, _BUMP
-    torch = torch_module()
-    _GRAD_ENABLED = torch.is_grad_enabled
-    _BUMP = getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version
-    TORCH_CODES.update(dtypes.torch_codes())
-    # lora._edge reads a plain tensor's memory, device, dtype, shape and strides from one DLPack
-    # export, and notes writes as note_write does
-    from torch.utils.dlpack import to_dlpack
-    _edge.setup_torch(torch.Tensor, to_dlpack, _GRAD_ENABLED, _BUMP)
-    return TORCH_CODES
-
-
-def version_bump():
-    """torch's version bump of `note_write` (a callable taking a tuple of tensors)."""
-    if _BUMP is None:
-        torch_init()
-    return _BUMP
-
-
-def torch_code(t):
-    """The dtype code of tensor `t`'s dtype, or None."""
-    return (TORCH_CODES or torch_init()).get(t.dtype)
-
-
-def check_tensor_place(t, what):
-    """A CPU, strided (dense) tensor; TypeError naming the device or layout otherwise."""
-    if not t.is_cpu:
-        raise TypeError(f"{what} is a torch tensor on device {str(t.device)!r}; lora-kernels "
-                        f"computes on the CPU: pass a tensor on device 'cpu'")
-    if getattr(t, "is_nested", False):
-        raise TypeError(f"{what} is a nested (ragged) torch tensor; a dense (strided) tensor is "
-                        f"needed")
-    if t.layout != torch_module().strided:
-        raise TypeError(f"{what} is a torch tensor with layout {t.layout}; a dense (strided) "
-                        f"tensor is needed")
-    if t.data_ptr() == 0 and t.numel() > 0:
-        raise TypeError(f"{what} is a torch tensor without memory (a zero tensor, as autograd "
-                        f"makes for an unused gradient); a tensor with memory is needed, e.g. "
-                        f"torch.zeros_like({what})")
 
 
 def dtype_name(obj):
@@ -448,45 +380,3 @@ def token_id(r, rows):
         where = f"[0, {rows})" if rows is not None else "(ids are >= 0)"
         raise IndexError(f"token id {r} is out of range {where} for this embedding")
     return r
-
-
-def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=None, bad=None,
-                 scales=None):
-    """Turn a LORA_ERR_* status from the C layer into the matching Python exception."""
-    pos = int(bad[0]) if bad is not None else -1
-    if status == lib.LORA_ERR_OVERLAP:
-        raise ValueError("x and out overlap in memory; out must not alias x")
-    if status == lib.LORA_ERR_INDEX:
-        flat = ids.reshape(-1)
-        raise IndexError(f"token id {int(flat[pos])} at position {position_of(ids, pos)} is out of "
-                         f"range [0, {rows})")
-    if status == lib.LORA_ERR_ADAPTER:
-        flat = adapter_ids.reshape(-1)
-        valid = "-1 (no adapter)" + (f" and 0..{n_entries - 1}" if n_entries else
-                                     ", the bank has no entries")
-        raise IndexError(f"adapter id {int(flat[pos])} at position {position_of(adapter_ids, pos)} is "
-                         f"out of range: valid ids are {valid}")
-    if status == lib.LORA_ERR_SCALE:
-        if pos >= 0 and scales is not None:
-            raise ValueError(f"scales[{position_of(scales, pos)}] = "
-                             f"{float(scales.reshape(-1)[pos])!r} times the effective scale of an "
-                             f"adapter at that position is not finite in float32 (the product "
-                             f"must be below 3.4e38 in magnitude)")
-        raise ValueError("the effective scale (scale x alpha factor) is not finite in float32 "
-                         "(|s| must be below 3.4e38)")
-    if status == lib.LORA_ERR_ALIGN:
-        raise ValueError("x, out or the ids are not aligned to their item size")
-    if status == lib.LORA_ERR_NOMEM:
-        raise MemoryError("lora-kernels: out of memory for kernel scratch")
-    if status == lib.LORA_ERR_DTYPE:
-        raise TypeError(f"lora-kernels: a dtype code the C layer does not know reached it (it "
-                        f"knows {lib.LORA_DTYPE_COUNT}): the Python dtype table and the C "
-                        f"registry disagree")
-    raise ValueError(f"lora-kernels: invalid arguments (status {status})")
-
-
-def position_of(arr, flat_index):
-    """A flat position as the index of `arr` (an int for 1-D arrays, a tuple otherwise)."""
-    if arr.ndim <= 1:
-        return flat_index
-    return tuple(int(i) for i in np.unravel_index(flat_index, arr.shape))

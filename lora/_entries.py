@@ -30,6 +30,8 @@ import numpy as np
 
 from . import _apply
 from . import _arrays as arrays
+from . import _status
+from . import _torch as torchs
 from . import _edge
 from . import scale as _scale_mod
 from ._apply import address
@@ -367,7 +369,7 @@ class EntryTable:
 
     def _raise(self, status, ids, pos, tok=None, bad=None):
         rows = self._shape[0] if self._shape else 0
-        arrays.raise_status(status, ids=tok, adapter_ids=ids, n_entries=len(self._entries),
+        _status.raise_status(status, ids=tok, adapter_ids=ids, n_entries=len(self._entries),
                             rows=rows, bad=bad, scales=pos)
 
     # ---------------------------------------------- entries without any delta
@@ -392,16 +394,16 @@ class EntryTable:
     def _shapeless_batch(self, x, out, adapter_ids, scales):
         """out a writeable float array of at least 2 dims, x of the same leading axes, not
         overlapping, the ids and scales."""
-        if not (isinstance(out, np.ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+        if not (isinstance(out, np.ndarray) or torchs.is_tensor(out)) or len(out.shape) < 2:
             arrays.batched_shape(out, "rows", "out")  # raises
         shape = tuple(out.shape)
         arrays.check_out(out, shape, batched=True)
-        xa = x if arrays.is_tensor(x) else arrays.float_array(x, "x")
+        xa = x if torchs.is_tensor(x) else arrays.float_array(x, "x")
         if tuple(xa.shape[:-1]) != shape[:-1] or len(xa.shape) != len(shape):
             raise ValueError(f"x must have shape {shape[:-1] + ('cols',)} to match out "
                              f"{shape}; got {tuple(xa.shape)}")
-        if arrays.is_tensor(xa):
-            arrays.check_tensor_place(xa, "x")
+        if torchs.is_tensor(xa):
+            torchs.check_tensor_place(xa, "x")
             if not xa.dtype.is_floating_point:
                 raise TypeError(f"x must be a real floating array; got dtype "
                                 f"{arrays.dtype_name(xa)}")
@@ -410,7 +412,7 @@ class EntryTable:
         return out
 
     def _shapeless_rows(self, tok_ids, out, adapter_ids, scales):
-        if not (isinstance(out, np.ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+        if not (isinstance(out, np.ndarray) or torchs.is_tensor(out)) or len(out.shape) < 2:
             arrays.batched_shape(out, "cols", "out")  # raises
         shape = tuple(out.shape)
         arrays.check_out(out, shape, batched=True)
@@ -422,18 +424,18 @@ class EntryTable:
         if tok.size and tok.min() < 0:
             pos = int(np.argmax(tok.reshape(-1) < 0))
             raise IndexError(f"token id {int(tok.reshape(-1)[pos])} at position "
-                             f"{arrays.position_of(tok, pos)} is out of range")
+                             f"{_status.position_of(tok, pos)} is out of range")
         self._check_ids_only(adapter_ids, scales, tok.shape)
         return out
 
     def _shapeless_experts(self, x, out, eids, ids, pos):
         """A table none of whose entries holds experts: out and x checked as arrays, the ids
         checked as far as they can be (no expert count: only -1 and up), nothing added."""
-        if not (isinstance(out, np.ndarray) or arrays.is_tensor(out)) or len(out.shape) < 2:
+        if not (isinstance(out, np.ndarray) or torchs.is_tensor(out)) or len(out.shape) < 2:
             arrays.batched_shape(out, "rows", "out")  # raises
         arrays.check_out(out, tuple(out.shape), batched=True)
-        if arrays.is_tensor(x):
-            arrays.check_tensor_place(x, "x")
+        if torchs.is_tensor(x):
+            torchs.check_tensor_place(x, "x")
             if not x.dtype.is_floating_point:
                 raise TypeError(f"x must be a real floating array; got dtype "
                                 f"{arrays.dtype_name(x)}")

@@ -9,6 +9,8 @@ an element would overflow that dtype.
 import numpy as np
 
 from . import _arrays as arrays
+from . import _status
+from . import _torch as torchs
 from . import _dtypes as dtypes
 from ._lora_cffi import ffi, lib
 from .scale import F32_OVERFLOW
@@ -31,15 +33,15 @@ def finite_scale(s):
 
 def _w_array(w, rows, cols):
     """A NumPy view of `w` (never a copy) with its dtype code, after the merge-target checks."""
-    if arrays.is_tensor(w):
-        arrays.check_tensor_place(w, "w")
+    if torchs.is_tensor(w):
+        torchs.check_tensor_place(w, "w")
         base = getattr(w, "_base", None)  # a view's base: w.T of a weight is fine
         if w.requires_grad and not w.is_leaf and not (base is not None and base.is_leaf):
             raise ValueError("w is a non-leaf tensor that requires grad: a merge writes it in "
                              "place, outside autograd; merge into the weight itself (a leaf such "
                              "as an nn.Parameter, or its transposed view), or under "
                              "torch.no_grad() into w.detach()")
-        code = arrays.torch_code(w)
+        code = torchs.torch_code(w)
         if code is None:
             raise TypeError(f"w must have dtype float32, float16 or bfloat16 (it is updated in "
                             f"place); got {arrays.dtype_name(w)}")
@@ -129,7 +131,7 @@ def merge_(w, terms, rows, cols, *, check=True, write=True):
     w_max = ffi.new("double *")
     status = lib.lora_abs_max(ptr, code, n_cols, n_rows, n_cols, w_max)
     if status != lib.LORA_OK:
-        arrays.raise_status(status)
+        _status.raise_status(status)
     bound += w_max[0]
     # |result| <= bound, up to float64 rounding: below the largest finite value, no overflow
     safe = bound * (1.0 + 1e-9) < dtypes.LARGEST[name]
@@ -144,7 +146,7 @@ def merge_(w, terms, rows, cols, *, check=True, write=True):
         status = lib.lora_merge(ptr, code, n_cols, n_rows, n_cols, len(scales), ap, bp, ranks,
                                 sc, sweep, first_bad)
         if status != lib.LORA_OK:
-            arrays.raise_status(status)
+            _status.raise_status(status)
         bad = first_bad[0]
         if bad >= 0:
             bi, bj = bad // n_cols, bad % n_cols
@@ -159,14 +161,14 @@ def merge_(w, terms, rows, cols, *, check=True, write=True):
         return w
     if target is not base:
         base[...] = target
-    if arrays.is_tensor(w):  # an in-place update, as torch's own ops record it
-        arrays.torch_module().autograd.graph.increment_version(w)
+    if torchs.is_tensor(w):  # an in-place update, as torch's own ops record it
+        torchs.torch_module().autograd.graph.increment_version(w)
     return w
 
 
 def shapeless_w(w):
     """The checks a merge without any delta (an empty stack) can still make on ``w``."""
-    if (isinstance(w, _ndarray) or arrays.is_tensor(w)) and len(w.shape) != 2:
+    if (isinstance(w, _ndarray) or torchs.is_tensor(w)) and len(w.shape) != 2:
         raise ValueError(f"w must be 2-D; got shape {tuple(w.shape)}")
     shape = tuple(getattr(w, "shape", ()))
     _w_array(w, *shape) if len(shape) == 2 else _w_array(w, 0, 0)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import _arrays as arrays
+from . import _status
 from ._byvalue import ByValue
 from .bank import need_ids
 from ._entries import EntryTable, entry_types, owners
@@ -329,5 +330,5 @@ def _no_free_slot(snap, adapter_ids):
     hit = np.flatnonzero(inside & snap.free[np.where(inside, flat, 0)])
     if hit.size:
         pos = int(hit[0])
-        raise IndexError(f"adapter id {int(flat[pos])} at position {arrays.position_of(ids, pos)} "
+        raise IndexError(f"adapter id {int(flat[pos])} at position {_status.position_of(ids, pos)} "
                          f"names a free slot of the set (its adapter was removed)")

@@ -18,6 +18,8 @@ import math
 import numpy as np
 
 from . import _arrays as arrays
+from . import _status
+from . import _torch as torchs
 from . import _dtypes as dtypes
 from ._byvalue import ByValue
 from ._entries import EntryTable, Member, entry_type
@@ -152,7 +154,7 @@ class DoraDelta(ByValue):
         status = lib.lora_dora_stats(d._ptr, int(self._embedding), ptr, arrays.np_code(arr.dtype),
                                      ld_i, ld_k, *keep)
         if status:
-            arrays.raise_status(status)
+            _status.raise_status(status)
         self._set_stats(sq, vp, gram)
 
     def _set_stats(self, sq, vp, gram):
@@ -196,7 +198,7 @@ class DoraDelta(ByValue):
                              f"{key!r} (norm 0, or too small for that magnitude); nothing "
                              f"was written")
         if status:
-            arrays.raise_status(status)
+            _status.raise_status(status)
         if len(self._g) >= _CACHE:
             self._g.clear()
         hit = self._g[key] = (g, norm, gp)
@@ -380,5 +382,5 @@ class DoraDelta(ByValue):
             raise ValueError(f"{verb} w overflows its dtype {name} at [{i}, {j}]: {v[i, j]:.9g} "
                              f"(largest finite: {dtypes.LARGEST[name]:.9g}); w is left untouched")
         arr[...] = res
-        if arrays.is_tensor(w):
-            arrays.torch_module().autograd.graph.increment_version(w)
+        if torchs.is_tensor(w):
+            torchs.torch_module().autograd.graph.increment_version(w)

@@ -18,6 +18,7 @@ import operator
 import numpy as np
 
 from . import _arrays as arrays
+from . import _torch as torchs
 from . import _dtypes as dtypes
 from ._byvalue import ByValue
 from ._entries import EntryTable, Member, entry_type
@@ -289,11 +290,11 @@ class LoraExperts(ByValue):
     def _expert_views(self, w):
         """w[e] for every expert, after the 3-D checks (each view is then checked as a base)."""
         want = self.expert_shape
-        if not (isinstance(w, np.ndarray) or arrays.is_tensor(w)):
+        if not (isinstance(w, np.ndarray) or torchs.is_tensor(w)):
             raise TypeError(f"w must be a numpy.ndarray or a CPU torch.Tensor of float32, float16 "
                             f"or bfloat16 {list(want)}; got {type(w).__name__}")
-        if arrays.is_tensor(w):
-            arrays.check_tensor_place(w, "w")
+        if torchs.is_tensor(w):
+            torchs.check_tensor_place(w, "w")
         shape = tuple(w.shape)
         if shape != want:
             hint = ""
@@ -302,7 +303,7 @@ class LoraExperts(ByValue):
                         "[n_experts, out, in] view)")
             raise ValueError(f"w must have shape {want} = [n_experts, rows, cols]; got "
                              f"{shape}{hint}")
-        if arrays.is_tensor(w):
+        if torchs.is_tensor(w):
             ok = w.is_contiguous() or w.transpose(-1, -2).is_contiguous()
             strides = tuple(w.stride())
         else:

@@ -5,6 +5,7 @@ import weakref
 import numpy as np
 
 from . import _arrays as arrays
+from . import _torch as torchs
 from ._byvalue import ByValue
 from ._entries import EntryTable, entry_type, owners, stackable_types
 from ._merge import finite_scale, merge_, shapeless_w
@@ -169,12 +170,12 @@ _NO_X = object()
 def _shapeless_vec(x, out, what="out"):
     """The checks an empty stack can still make for add_to / add_row_to: out a writeable 1-D
     float array (of any length), x (unless None) real float 1-D, not overlapping out."""
-    if (isinstance(out, _ndarray) or arrays.is_tensor(out)) and len(out.shape) != 1:
+    if (isinstance(out, _ndarray) or torchs.is_tensor(out)) and len(out.shape) != 1:
         raise ValueError(f"{what} must be 1-D; got shape {tuple(out.shape)}")
     shape = tuple(getattr(out, "shape", ()))
     arrays.check_out(out, shape, what, shown="(n,)")
     if x is not _NO_X:
-        xa = x if arrays.is_tensor(x) else arrays.float_array(x, "x")
+        xa = x if torchs.is_tensor(x) else arrays.float_array(x, "x")
         if len(xa.shape) != 1:
             raise ValueError(f"x must have shape [cols] to match {what} {shape}; got "
                              f"{tuple(xa.shape)}")
