@@ -59,10 +59,10 @@ def address(cdata):
 
 # lora._edge (LoraDelta's entries and the entry table's apply calls, in C) reads the same dtype
 # objects as `fast_code` (and the ids' and scales' of the table's fast path) and calls the
-# library's own lora_add / lora_add_batch / lora_apply_batch
+# library's own lora_add / lora_add_batch / lora_apply_batch / lora_add_rows
 _edge.setup(ndarray, dtypes.fast_pairs(), np.dtype(np.int64), np.dtype(np.float64),
             tuple(address(ffi.addressof(lib, f))
-                  for f in ("lora_add", "lora_add_batch", "lora_apply_batch")))
+                  for f in ("lora_add", "lora_add_batch", "lora_apply_batch", "lora_add_rows")))
 
 _cast = ffi.cast
 _VOIDP = ffi.typeof("void *")

@@ -2,9 +2,10 @@
 
 Layouts: lora_a = A [rank, cols], lora_b = B [rows, rank], a base W [rows, cols] (= [n_out,
 n_in]).  Every add_* method validates all of its inputs before the first write, makes one C call
-with the GIL released, and returns `out`.  `add_to` and `add_batch_to` try `lora._edge` first
-(the common case, taken in C from the arrays themselves); everything it declines goes the way
-of `lora._dispatch`.
+with the GIL released, and returns `out`.  `add_to`, `add_batch_to`, `add_row_to` and
+`add_rows_to` try `lora._edge` first (the common case, taken in C from the arrays themselves);
+everything it declines, and any call it returns a nonzero status for, goes the way of
+`lora._dispatch`, which names what is wrong.
 """
 
 import math
@@ -28,6 +29,7 @@ __all__ = ["LoraDelta"]
 _lora_add = lib.lora_add
 _edge_add = _edge.add_to
 _edge_add_batch = _edge.add_batch_to
+_edge_add_rows = _edge.add_rows
 _lora_add_batch = lib.lora_add_batch
 _lora_add_rows = lib.lora_add_rows
 _lora_add_at = lib.lora_add_at
@@ -365,6 +367,10 @@ class LoraDelta(ByValue):
 
         Raises TypeError for a non-integer id, IndexError for one out of range (no wrap-around).
         """
+        # an int in range and a contiguous out in one C call, as add_to
+        status = _edge_add_rows(self._addr, self._scale._value * self._alpha_factor, r, out_row)
+        if status == 0:
+            return out_row
         r = arrays.token_id(r, self._rows)
         op, oc, _, _ = arrays.check_out(out_row, self._xshape, "out_row")
         ids = ffi.new("int64_t[1]", [r])
@@ -382,6 +388,10 @@ class LoraDelta(ByValue):
         ``[*ids.shape, cols]``, float32/float16/bfloat16, C-contiguous or row-strided.  Each
         row is bit-identical to ``add_row_to``.
         """
+        # int64 ids and a C-contiguous out of their shape in one C call, as add_to
+        status = _edge_add_rows(self._addr, self._scale._value * self._alpha_factor, ids, out)
+        if status == 0:
+            return out
         tok, op, oc, ldo, n = rows_args(ids, out, self._cols)
         if n:
             bad = ffi.new("int64_t *")

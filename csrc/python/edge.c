@@ -1,14 +1,14 @@
 /*
- * csrc/python/edge.c - lora._edge: the decode and prefill entries of a LoraDelta, and the
+ * csrc/python/edge.c - lora._edge: the decode, prefill and gather entries of a LoraDelta, and the
  * entry table's calls behind stacks, banks and adapter-set banks, as CPython functions that
  * take the NumPy arrays or torch tensors themselves.
  *
  * Through cffi a call makes one pointer object per array (ffi.from_buffer) and converts every
  * argument: about 0.6 us of a 1.1 us call whose kernel does nothing (scale 0).  Here the facts
  * of an array are read from the object in C (a NumPy array's struct, a tensor's DLPack
- * export), then lora_add / lora_add_batch / lora_apply_batch run, reached through the function
- * pointers lora._lora_cffi hands over at import (one library state: the ISA choice, the team,
- * the plans).
+ * export), then lora_add / lora_add_batch / lora_add_rows / lora_apply_batch run, reached
+ * through the function pointers lora._lora_cffi hands over at import (one library state: the
+ * ISA choice, the team, the plans).
  *
  * plan_run (edge_peft.h) is the short path of a PEFT LoRA Linear layer under accelerate_peft.
  *
@@ -44,6 +44,8 @@
 typedef int (*add_fn)(const lora_delta *, float, const void *, int, void *, int);
 typedef int (*add_batch_fn)(const lora_delta *, float, int64_t, const void *, int, int64_t,
                             void *, int, int64_t);
+typedef int (*add_rows_fn)(const lora_delta *, float, int64_t, const int64_t *, void *, int,
+                           int64_t, int64_t *);
 typedef int (*apply_batch_fn)(int64_t, const int64_t *, const lora_delta *const *, const double *,
                               const int64_t *, const double *, int64_t, int64_t, int64_t, int64_t,
                               const void *, int, int64_t, void *, int, int64_t, int64_t *);
@@ -61,6 +63,7 @@ static struct {
     add_fn add;
     add_batch_fn add_batch;
     apply_batch_fn apply_batch;
+    add_rows_fn add_rows;
     /* torch: set at the first tensor the Python layer sees (import lora never imports torch) */
     PyTypeObject *tensor;
     /* torch.utils.dlpack.to_dlpack, torch.is_grad_enabled, the version bump */
@@ -338,6 +341,84 @@ static PyObject *edge_add_batch(PyObject *self, PyObject *args)
     return run(args, 1);
 }
 
+/* add_rows(delta address, scale, ids, out) -> status: the embedding gathers of a LoraDelta.
+ * ids: an exact int in [0, rows) with out [cols] (add_row_to), or an int64 C-contiguous ndarray
+ * of at least one axis with out [*ids.shape, cols] (add_rows_to); out a C-contiguous ndarray or
+ * plain CPU tensor of a dtype the kernels write.  Anything else declines; so does an id out of
+ * range (lora_add_rows checks every id before its first write, and the checked path then names
+ * the id and its position). */
+static PyObject *edge_add_rows(PyObject *self, PyObject *args)
+{
+    (void)self;
+    if (PyTuple_Size(args) != 4) {
+        PyErr_SetString(PyExc_TypeError, "lora._edge: expected (delta address, scale, ids, out)");
+        return NULL;
+    }
+    const lora_delta *d = (const lora_delta *)PyLong_AsVoidPtr(PyTuple_GetItem(args, 0));
+    double sd = PyFloat_AsDouble(PyTuple_GetItem(args, 1));
+    if ((d == NULL || sd == -1.0) && PyErr_Occurred())
+        return NULL;
+    if (d == NULL) {
+        PyErr_SetString(PyExc_ValueError, "lora._edge: a NULL delta");
+        return NULL;
+    }
+    PyObject *ids = PyTuple_GetItem(args, 2), *out = PyTuple_GetItem(args, 3);
+    facts fo;
+    fo.keep = NULL;
+    int tensors = 0, st;
+    if (Py_TYPE(out) == E.ndarray)
+        st = ndarray_facts(out, 1, &fo);
+    else if (E.tensor != NULL && Py_TYPE(out) == E.tensor)
+        st = tensor_facts(out, 1, &fo), tensors = 1;
+    else
+        st = EDGE_DECLINE;
+    if (st != 0)
+        return st == -2 ? NULL : PyLong_FromLong(st);
+    int64_t one = 0, n = 1;
+    const int64_t *idp = &one;
+    st = EDGE_DECLINE;
+    if (PyLong_CheckExact(ids)) { /* add_row_to: one id, out [cols] */
+        int overflow = 0;
+        const long long r = PyLong_AsLongLongAndOverflow(ids, &overflow);
+        if (overflow || r < 0 || r >= d->rows || fo.nd != 1 || fo.dim[0] != d->cols)
+            goto done;
+        one = (int64_t)r;
+    } else if (Py_TYPE(ids) == E.ndarray) { /* add_rows_to: out [*ids.shape, cols] */
+        PyArrayObject *v = (PyArrayObject *)ids;
+        const int nd = PyArray_NDIM(v);
+        if ((PyObject *)PyArray_DESCR(v) != E.int64 || !(PyArray_FLAGS(v) & NPY_ARRAY_C_CONTIGUOUS)
+            || nd < 1 || fo.nd != nd + 1 || fo.dim[nd] != d->cols)
+            goto done;
+        const npy_intp *dims = PyArray_DIMS(v);
+        for (int i = 0; i < nd; i++) {
+            if (dims[i] != fo.dim[i])
+                goto done;
+            n *= dims[i];
+        }
+        idp = PyArray_DATA(v);
+    } else {
+        goto done;
+    }
+    if (tensors && d->cols < 2) /* a [1] tensor: the checked path's rules */
+        goto done;
+    st = 0;
+    if (n == 0)
+        goto done;
+    if (tensors && note_write(out) < 0) {
+        st = -2;
+        goto done;
+    }
+    const float s = (float)sd;
+    Py_BEGIN_ALLOW_THREADS
+    st = E.add_rows(d, s, n, idp, fo.ptr, fo.code, d->cols, NULL);
+    Py_END_ALLOW_THREADS
+    if (st == LORA_ERR_INDEX) /* nothing written: the checked path names the id */
+        st = EDGE_DECLINE;
+done:
+    Py_XDECREF(fo.keep);
+    return st == -2 ? NULL : PyLong_FromLong(st);
+}
+
 /* An exact 1-D C-contiguous ndarray of `n` elements of NumPy's canonical `descr`: its data, or
  * NULL (not this path). */
 static const void *vector_of(PyObject *a, PyObject *descr, Py_ssize_t n)
@@ -447,20 +528,20 @@ static int add_pairs(dtype_table *t, PyObject *pairs)
 }
 
 /* setup(ndarray type, ((dtype, code), ...), int64 descr, float64 descr,
- *       (lora_add, lora_add_batch, lora_apply_batch addresses)) */
+ *       (lora_add, lora_add_batch, lora_apply_batch, lora_add_rows addresses)) */
 static PyObject *edge_setup(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *nd, *pairs, *i64, *f64, *fns;
     if (!PyArg_ParseTuple(args, "OOOOO", &nd, &pairs, &i64, &f64, &fns))
         return NULL;
-    if (!PyType_Check(nd) || !PyTuple_Check(fns) || PyTuple_Size(fns) != 3) {
+    if (!PyType_Check(nd) || !PyTuple_Check(fns) || PyTuple_Size(fns) != 4) {
         PyErr_SetString(PyExc_TypeError, "lora._edge: setup(ndarray type, dtype pairs, int64, "
-                                         "float64, (three entry addresses))");
+                                         "float64, (four entry addresses))");
         return NULL;
     }
-    void *fn[3];
-    for (int i = 0; i < 3; i++) {
+    void *fn[4];
+    for (int i = 0; i < 4; i++) {
         fn[i] = PyLong_AsVoidPtr(PyTuple_GetItem(fns, i));
         if (fn[i] == NULL) {
             if (!PyErr_Occurred())
@@ -480,6 +561,7 @@ static PyObject *edge_setup(PyObject *self, PyObject *args)
     E.add = (add_fn)fn[0];
     E.add_batch = (add_batch_fn)fn[1];
     E.apply_batch = (apply_batch_fn)fn[2];
+    E.add_rows = (add_rows_fn)fn[3];
     Py_RETURN_NONE;
 }
 
@@ -527,10 +609,13 @@ static PyMethodDef methods[] = {
      "add_batch_to(delta address, scale, x, out) -> C status"},
     {"apply_batch", edge_apply_batch, METH_VARARGS,
      "apply_batch(table, scales, x, out, ids, pos, batched) -> C status"},
+    {"add_rows", edge_add_rows, METH_VARARGS,
+     "add_rows(delta address, scale, ids (an int or int64 ndarray), out) -> C status"},
     {"plan_run", edge_plan_run, METH_VARARGS,
      "plan_run(PEFT layer plan, x) -> the output, None (declined), or (result, base)"},
     {"setup", edge_setup, METH_VARARGS,
-     "setup(ndarray, dtype pairs, int64, float64, (lora_add, lora_add_batch, lora_apply_batch))"},
+     "setup(ndarray, dtype pairs, int64, float64, (lora_add, lora_add_batch, lora_apply_batch, "
+     "lora_add_rows))"},
     {"add_numpy_dtypes", edge_add_numpy_dtypes, METH_O, "add_numpy_dtypes(dtype pairs)"},
     {"setup_torch", edge_setup_torch, METH_VARARGS,
      "setup_torch(Tensor, to_dlpack, is_grad_enabled, version bump)"},
