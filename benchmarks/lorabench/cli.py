@@ -79,6 +79,7 @@ def main(argv=None, description=None):
     if args.team_compare:
         return teamcompare.run(args)
     quick = args.quick
+    t_start = time.monotonic()
     cpu = machine.cpu_info()
     threads = args.threads or cpu["usable_cpus"] or 1
     cfg = TimingConfig(
@@ -212,8 +213,10 @@ def main(argv=None, description=None):
                          "(a larger --sweep-layers tells)")
 
     results = targets.evaluate_all(W, {"bw": bw, "llc_bytes": cpu["llc"]["bytes"]})
-    out = report.header_lines(meta) + [""] + report.table_lines(W) + [""] + COLUMNS_NOTE
-    for section in (report.startup_lines(W), report.baseline_lines(W), report.target_lines(results, quick)):
+    meta["elapsed_s"] = time.monotonic() - t_start
+    out = report.header_lines(meta) + [""] + report.table_lines(W) + [""] + COLUMNS_NOTE + report.marks_note()
+    for section in (report.startup_lines(W), report.baseline_lines(W), report.target_lines(results, quick, bool(args.only)),
+                    report.summary_lines(W, meta)):
         out += [""] + section if section else []
     skips = [f"{targets.label(w)}: {w.result['skip']}" for w in W if "skip" in w.result]
     if notes or skips:

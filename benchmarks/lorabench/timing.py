@@ -4,6 +4,14 @@
 loop), the loop length calibrated so that one sample lasts >= ``min_sample_s``; a discarded
 warm-up before each block; ``rounds`` rounds that visit every implementation in turn,
 ``samples`` samples each; reported: the median per-call time and the min-max over all samples.
+
+Descheduled samples.  On a busy machine a thread that waits for a CPU waits for the scheduler's
+tick: a sample then lasts its own time plus about a whole number of ticks (4 ms at Linux's
+default 250 Hz), far past the fastest this implementation ever ran (its *floor*: the fastest
+sample or calibration call).  Such a sample says nothing about the code, so `summarize` sets it
+apart (`descheduled`): the median the report and every ratio use is that of the other samples,
+and an implementation left with too few of them has no median to compare (``"clean": False``).
+`measure` measures a block again when most of it was descheduled.
 """
 
 from __future__ import annotations
@@ -47,19 +55,22 @@ _LOOPS = {0: _loop0, 1: _loop1, 2: _loop2, 3: _loop3, 4: _loop4}
 class Impl:
     """One way of computing a workload: a bound method and its arguments, called as fn(*args)."""
 
-    __slots__ = ("fn", "args", "loop", "k", "keep", "before")
+    __slots__ = ("fn", "args", "loop", "k", "keep", "before", "best")
 
     def __init__(self, fn, *args, before=None):
         self.fn, self.args, self.loop, self.k = fn, args, _LOOPS[len(args)], 1
         self.keep = None
         self.before = before  # called (untimed) before each of its blocks: state it needs, e.g. a scale
+        self.best = math.inf  # the fastest per-call time of any calibration or warm-up run
 
     def run(self, k):
         """Wall time in seconds of k back-to-back calls."""
         fn, args, loop = self.fn, self.args, self.loop
         t0 = time.perf_counter_ns()
         loop(fn, *args, k)
-        return (time.perf_counter_ns() - t0) * 1e-9
+        t = (time.perf_counter_ns() - t0) * 1e-9
+        self.best = min(self.best, t / k)
+        return t
 
 
 @dataclass
@@ -74,9 +85,32 @@ class TimingConfig:
     quiet_retries: int = 3
 
 
+TICK_S = 0.004  # Linux's default scheduler tick (CONFIG_HZ=250); 1, 3.3 and 10 ms are the others
+DESCHEDULED_TICKS = 0.5  # a sample this many ticks past its floor lost the CPU at least once
+DESCHEDULED_RATIO = 1.5  # ... and took at least this many times its floor per call
+CLEAN_LEAST = 2  # samples an implementation keeps, at least, to have a median worth a ratio
+
+
+def descheduled(values, k, floor, tick=TICK_S):
+    """Which samples (seconds per call, `k` calls a sample) were slowed by losing the CPU: a
+    block at least half a tick longer than `floor` would have made it, and at least 1.5x the
+    floor per call.  Returns (a flag per sample, how many of the flagged sit within a quarter
+    tick of a whole number of ticks past the floor: the signature of the scheduler's tick)."""
+    flags, quantized = [], 0
+    for v in values:
+        extra = (v - floor) * k
+        hit = extra >= DESCHEDULED_TICKS * tick and v >= DESCHEDULED_RATIO * floor
+        flags.append(hit)
+        if hit:
+            q = extra / tick
+            quantized += abs(q - round(q)) <= 0.25
+    return flags, quantized
+
+
 def calibrate(impl, cfg):
     impl.run(1)  # first touch, thread pools awake
-    t1 = impl.run(1)
+    # the fastest of a few single calls: one call that lost the CPU would make k far too small
+    t1 = min(impl.run(1) for _ in range(3))
     k = max(1, math.ceil(cfg.min_sample_s / max(t1, 1e-8)))
     if k > 1:
         tk = impl.run(k)
@@ -94,7 +128,10 @@ def measure(impls, cfg, progress, label, monitor=None):
     the previous library slows the next one by 10-100x.  Then a discarded warm-up (the pool
     that slept must wake), then the samples.  With `cfg.quiet_wait_s`, a block during which
     other processes were busy is thrown away and measured again once they are idle (at most
-    `cfg.quiet_retries` times).  `monitor` is a ``machine.CpuMonitor`` (or None).
+    `cfg.quiet_retries` times).  A block most of whose samples were descheduled (see
+    `descheduled`) is measured again too, up to `cfg.quiet_retries` times, with or without
+    `cfg.quiet_wait_s`; the samples of every block are kept (`summarize` sets the descheduled
+    ones apart).  `monitor` is a ``machine.CpuMonitor`` (or None).
     """
     samples = {name: [] for name in impls}
     busy_max = None
@@ -119,6 +156,11 @@ def measure(impls, cfg, progress, label, monitor=None):
                 n = max(2, min(cfg.samples, int(cfg.impl_budget_s / max(warm, 1e-9))))
                 block = [impl.run(impl.k) / impl.k for _ in range(n)]
                 busy = monitor.others() if monitor is not None else None
+                floor = min(impl.best, *block, *samples[name])
+                hit = sum(descheduled(block, impl.k, floor)[0])
+                if attempt < cfg.quiet_retries and 2 * hit > len(block):
+                    samples[name].extend(block)  # kept: summarize sets them apart
+                    continue
                 if monitor is None or not cfg.quiet_wait_s or attempt == cfg.quiet_retries or monitor.quiet_enough(busy):
                     break
             samples[name].extend(block)
@@ -127,6 +169,16 @@ def measure(impls, cfg, progress, label, monitor=None):
     return samples, busy_max
 
 
-def summarize(values):
+def summarize(values, k=1, best=math.inf):
+    """Median, min and max per call over every sample, with the descheduled ones set apart:
+    ``median_s`` is the median of the others (``all_median_s``: of all), ``descheduled`` how
+    many were set apart (``tick_quantized`` of them near a whole number of ticks), ``clean``
+    whether at least `CLEAN_LEAST` samples (and a quarter) were not: a ratio needs it.  `k`:
+    calls per sample; `best`: the fastest per-call time seen outside the samples."""
     v = sorted(values)
-    return {"median_s": float(np.median(v)), "min_s": v[0], "max_s": v[-1], "n": len(v)}
+    flags, quantized = descheduled(v, k, min(v[0], best))
+    kept = [x for x, f in zip(v, flags) if not f]
+    clean = len(kept) >= max(CLEAN_LEAST, len(v) / 4) if len(v) > 1 else bool(kept)
+    return {"median_s": float(np.median(kept if kept else v)), "min_s": v[0], "max_s": v[-1], "n": len(v),
+            "all_median_s": float(np.median(v)), "descheduled": len(v) - len(kept), "tick_quantized": quantized,
+            "clean": clean}
