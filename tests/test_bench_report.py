@@ -374,3 +374,17 @@ def test_every_baseline_formulation_computes_the_lora_term(batch):
             for impl in impls.values():
                 impl.fn(*impl.args)
             np.testing.assert_allclose(out.numpy(), 2 * want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_the_peft_example_never_prints_a_negative_lora_cost():
+    """examples/peft_generate.py: a run faster than the base model it contains is noise, said so."""
+    import importlib.util
+
+    pytest.importorskip("peft")
+    path = Path(__file__).resolve().parent.parent / "examples" / "peft_generate.py"
+    spec = importlib.util.spec_from_file_location("peft_generate", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.lora_cost(6.13, 5.40, 32) == "LoRA  22.81 ms/step"
+    text = example.lora_cost(5.40, 21.14, 32)  # the 491.72 ms/step "saving" of a busy machine
+    assert "-" not in text and "491.88 ms/step below the base model's time (noise, not a saving)" in text
