@@ -286,20 +286,29 @@ static int64_t positions(const facts *fx, const facts *fo, int64_t rows, int64_t
  * NULL with a Python error (bad arguments from the Python layer, an interrupt).  ``batched``:
  * x [..., cols] and out [..., rows] with the same leading axes (at least one), else x [cols]
  * and out [rows]. */
-static PyObject *run(PyObject *args, int batched)
+/* A LoraDelta entry's (delta address, scale, x or ids, out): the delta and the scale, or NULL
+ * with a Python error (the arguments the Python layer passes, checked for a NULL address). */
+static const lora_delta *delta_args(PyObject *args, double *sd)
 {
     if (PyTuple_Size(args) != 4) {
-        PyErr_SetString(PyExc_TypeError, "lora._edge: expected (delta address, scale, x, out)");
+        PyErr_SetString(PyExc_TypeError, "lora._edge: expected (delta address, scale, x or ids, out)");
         return NULL;
     }
     const lora_delta *d = (const lora_delta *)PyLong_AsVoidPtr(PyTuple_GetItem(args, 0));
-    double sd = PyFloat_AsDouble(PyTuple_GetItem(args, 1));
-    if ((d == NULL || sd == -1.0) && PyErr_Occurred())
+    *sd = PyFloat_AsDouble(PyTuple_GetItem(args, 1));
+    if ((d == NULL || *sd == -1.0) && PyErr_Occurred())
         return NULL;
-    if (d == NULL) {
+    if (d == NULL)
         PyErr_SetString(PyExc_ValueError, "lora._edge: a NULL delta");
+    return d;
+}
+
+static PyObject *run(PyObject *args, int batched)
+{
+    double sd;
+    const lora_delta *d = delta_args(args, &sd);
+    if (d == NULL)
         return NULL;
-    }
     PyObject *x = PyTuple_GetItem(args, 2), *out = PyTuple_GetItem(args, 3);
     facts fx, fo;
     int tensors = 0, st = both_facts(x, out, &fx, &fo, &tensors);
@@ -350,18 +359,10 @@ static PyObject *edge_add_batch(PyObject *self, PyObject *args)
 static PyObject *edge_add_rows(PyObject *self, PyObject *args)
 {
     (void)self;
-    if (PyTuple_Size(args) != 4) {
-        PyErr_SetString(PyExc_TypeError, "lora._edge: expected (delta address, scale, ids, out)");
+    double sd;
+    const lora_delta *d = delta_args(args, &sd);
+    if (d == NULL)
         return NULL;
-    }
-    const lora_delta *d = (const lora_delta *)PyLong_AsVoidPtr(PyTuple_GetItem(args, 0));
-    double sd = PyFloat_AsDouble(PyTuple_GetItem(args, 1));
-    if ((d == NULL || sd == -1.0) && PyErr_Occurred())
-        return NULL;
-    if (d == NULL) {
-        PyErr_SetString(PyExc_ValueError, "lora._edge: a NULL delta");
-        return NULL;
-    }
     PyObject *ids = PyTuple_GetItem(args, 2), *out = PyTuple_GetItem(args, 3);
     facts fo;
     fo.keep = NULL;
