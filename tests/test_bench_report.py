@@ -260,8 +260,11 @@ def test_tick_quantized_samples_are_set_apart_and_counted():
     mixed = [9.5e-6, 9.6e-6, 4.0095e-3, 9.4e-6, 9.7e-6, 8.0096e-3]
     s = summarize(mixed, 1)
     assert s["clean"] and s["descheduled"] == 2 and s["median_s"] == pytest.approx(9.55e-6)
-    # a slow sample that is not far past the floor is the code's own spread, not a tick
+    # a slow sample that is not far past the floor is the code's own spread, not a tick; so is
+    # a block of calls each 2.5x slower on their own (the excess a fraction of a tick away from
+    # a whole number); a block 3 ticks past the floor is descheduling wherever it falls
     assert not any(descheduled([9.5e-6, 11e-6, 14e-6], 100, 9.5e-6, TICK)[0])
+    assert descheduled([11.4e-6, 37.9e-6, 11.4e-6 + 3.4 * TICK / 90], 90, 11.4e-6, TICK) == ([False, False, True], 0)
     # many calls a sample: a tick spread over k calls still shows as the block's excess
     k = 100
     per_call = [10e-6, 10e-6 + TICK / k, 10.2e-6, 10e-6 + 2 * TICK / k]

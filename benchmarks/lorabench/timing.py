@@ -86,24 +86,25 @@ class TimingConfig:
 
 
 TICK_S = 0.004  # Linux's default scheduler tick (CONFIG_HZ=250); 1, 3.3 and 10 ms are the others
-DESCHEDULED_TICKS = 0.5  # a sample this many ticks past its floor lost the CPU at least once
-DESCHEDULED_RATIO = 1.5  # ... and took at least this many times its floor per call
+DESCHEDULED_RATIO = 1.5  # a descheduled sample took at least this many times its floor per call
+DESCHEDULED_FAR = 2.75  # ticks past the floor that are descheduling wherever they fall
 CLEAN_LEAST = 2  # samples an implementation keeps, at least, to have a median worth a ratio
 
 
 def descheduled(values, k, floor, tick=TICK_S):
-    """Which samples (seconds per call, `k` calls a sample) were slowed by losing the CPU: a
-    block at least half a tick longer than `floor` would have made it, and at least 1.5x the
-    floor per call.  Returns (a flag per sample, how many of the flagged sit within a quarter
-    tick of a whole number of ticks past the floor: the signature of the scheduler's tick)."""
+    """Which samples (seconds per call, `k` calls a sample) lost the CPU to the scheduler: a
+    block at least 1.5x the floor per call whose excess over what the floor would have made it
+    sits within a quarter tick of a whole number of ticks (the tick's signature), or is past
+    DESCHEDULED_FAR ticks (no call of the code's own spread gets there).  A block a fraction of
+    a tick slower (a call that is 2x slower on its own, k times over) is the code's, and kept.
+    Returns (a flag per sample, how many of the flagged sit near a whole number of ticks)."""
     flags, quantized = [], 0
     for v in values:
-        extra = (v - floor) * k
-        hit = extra >= DESCHEDULED_TICKS * tick and v >= DESCHEDULED_RATIO * floor
+        q = (v - floor) * k / tick
+        near = round(q) >= 1 and abs(q - round(q)) <= 0.25
+        hit = v >= DESCHEDULED_RATIO * floor and (near or q >= DESCHEDULED_FAR)
         flags.append(hit)
-        if hit:
-            q = extra / tick
-            quantized += abs(q - round(q)) <= 0.25
+        quantized += hit and near
     return flags, quantized
 
 
