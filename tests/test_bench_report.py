@@ -271,6 +271,25 @@ def test_tick_quantized_samples_are_set_apart_and_counted():
     assert descheduled(per_call, k, 10e-6, TICK) == ([False, True, False, True], 2)
 
 
+def test_no_ratio_when_every_sample_sits_on_the_ticks_grid():
+    """Recorded in a --quick run with other processes on both CPUs: NumPy's two BLAS threads
+    waited for a CPU on every call, so even the fastest of its samples was the scheduler's
+    (8, 8 and 10 ticks), and its one-thread naive form ran the same prefill in 0.25 ms.  The old
+    report printed 406x; no ratio may come from them."""
+    w = _row("prefill b32 4096x4096 r16", {
+        "ours": [77.9e-6, 76.6e-6, 86.7e-6], "numpy_naive": [251.0e-6, 233.1e-6, 254.2e-6],
+        "numpy_tuned:views": [31.994227e-3, 31.977592e-3, 39.974325e-3],
+        "numpy_tuned:B^T copied": [32.167079e-3, 32.01e-3, 36.02e-3]}, group="prefill")
+    r = w.result
+    assert r["impls"]["numpy_tuned"]["descheduled"] == 3 and not r["impls"]["numpy_tuned"]["clean"]
+    assert r["ratio_marks"].get("numpy_tuned") == "ticks" and "numpy_naive" not in r["ratio_marks"]
+    line = report.table_lines([w])[2]
+    assert "ticks" in line and "406" not in line and "3.22x" in line
+    # a call that genuinely lasts about 8 ms, its samples spread off the grid, keeps its ratio
+    from lorabench.timing import summarize
+    assert summarize([8.3e-3, 7.7e-3, 8.9e-3], 1)["clean"]
+
+
 def test_no_ratio_from_tick_dominated_samples_and_the_mark_sits_on_the_number():
     w = _row("decode 4096x4096 r16", {"ours": CLEAN, "numpy_naive": TICKED,
                                       "numpy_tuned:views": [13.6e-6] * 5, "numpy_tuned:transposed": [9.5e-6] * 5,

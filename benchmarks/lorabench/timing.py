@@ -88,23 +88,33 @@ class TimingConfig:
 TICK_S = 0.004  # Linux's default scheduler tick (CONFIG_HZ=250); 1, 3.3 and 10 ms are the others
 DESCHEDULED_RATIO = 1.5  # a descheduled sample took at least this many times its floor per call
 DESCHEDULED_FAR = 2.75  # ticks past the floor that are descheduling wherever they fall
+ON_GRID = 0.03  # a block within this many ticks of a whole number of them sits on the tick's grid
 CLEAN_LEAST = 2  # samples an implementation keeps, at least, to have a median worth a ratio
 
 
 def descheduled(values, k, floor, tick=TICK_S):
-    """Which samples (seconds per call, `k` calls a sample) lost the CPU to the scheduler: a
-    block at least 1.5x the floor per call whose excess over what the floor would have made it
-    sits within a quarter tick of a whole number of ticks (the tick's signature), or is past
-    DESCHEDULED_FAR ticks (no call of the code's own spread gets there).  A block a fraction of
-    a tick slower (a call that is 2x slower on its own, k times over) is the code's, and kept.
+    """Which samples (seconds per call, `k` calls a sample) lost the CPU to the scheduler.
+
+    * A block at least 1.5x the floor per call whose excess over what the floor would have made
+      it sits within a quarter tick of a whole number of ticks (the tick's signature), or is
+      past DESCHEDULED_FAR ticks (no call of the code's own spread gets there).  A block a
+      fraction of a tick slower (a call that is 2x slower on its own, k times over) is the
+      code's, and kept.
+    * Blocks on the tick's grid: when most blocks lasted a whole number of ticks, each within
+      ON_GRID of a tick (a call whose threads wait for a CPU on every call, so that even its
+      floor is the tick's: NumPy's two BLAS threads took 31.99, 31.98 and 39.97 ms for a
+      prefill its one-thread form ran in 0.25 ms), those blocks are the scheduler's.
+
     Returns (a flag per sample, how many of the flagged sit near a whole number of ticks)."""
+    grid = [round(v * k / tick) >= 1 and abs(v * k / tick - round(v * k / tick)) <= ON_GRID for v in values]
+    on_grid = 2 * sum(grid) > len(values)
     flags, quantized = [], 0
-    for v in values:
+    for v, g in zip(values, grid):
         q = (v - floor) * k / tick
         near = round(q) >= 1 and abs(q - round(q)) <= 0.25
-        hit = v >= DESCHEDULED_RATIO * floor and (near or q >= DESCHEDULED_FAR)
+        hit = (v >= DESCHEDULED_RATIO * floor and (near or q >= DESCHEDULED_FAR)) or (on_grid and g)
         flags.append(hit)
-        quantized += hit and near
+        quantized += hit and (near or g)
     return flags, quantized
 
 
