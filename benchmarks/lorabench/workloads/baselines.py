@@ -140,16 +140,15 @@ def _torch_impl(torch, calls, dtype, copies):
         elif not decode:
             at, bt = at.T, bt.T
         y = buf(ys, tuple(x.shape[:-1]) + (a.shape[0],))
-        if fused:
-            bound.append((at, bt, s, x, o, y))
-        else:
+        if not fused:  # each distinct x converted into a buffer of the factors' dtype
             if id(x) not in xs:
                 xs[id(x)] = (torch.empty(tuple(x.shape), dtype=dtype), x)
-            bound.append((at, bt, s, xs[id(x)][0], o, y, buf(zs, o.shape)))
+            x = xs[id(x)][0]
+        # a decode's x @ A^T: a [1, cols] x [cols, rank] product into y's [1, rank] view
+        x1, y1 = (x.unsqueeze(0), y.unsqueeze(0)) if decode and copies else (x, y)
+        bound.append((at, bt, s, x1, o, y, y1) + (() if fused else (buf(zs, o.shape),)))
     convert = list(xs.values())
 
-    if decode and copies:  # x @ A^T as a [1, cols] x [cols, rank] product into y's [1, rank] view
-        bound = [(c[0], c[1], c[2], c[3].unsqueeze(0), *c[4:6], c[5].unsqueeze(0), *c[6:]) for c in bound]
     if fused and decode and copies:
         def torch_fn(calls=bound, tm=tm):
             for at, b, s, x1, o, y, y1 in calls:
@@ -157,12 +156,12 @@ def _torch_impl(torch, calls, dtype, copies):
                 o.addmv_(b, y, alpha=s)
     elif fused and decode:
         def torch_fn(calls=bound, tm=tm):
-            for a, b, s, x, o, y in calls:
+            for a, b, s, x, o, y, _ in calls:
                 tm(a, x, out=y)
                 o.addmv_(b, y, alpha=s)
     elif fused:
         def torch_fn(calls=bound, tm=tm):
-            for at, bt, s, x, o, y in calls:
+            for at, bt, s, x, o, y, _ in calls:
                 tm(x, at, out=y)
                 o.addmm_(y, bt, alpha=s)
     elif decode and copies:
@@ -177,7 +176,7 @@ def _torch_impl(torch, calls, dtype, copies):
         def torch_fn(calls=bound, convert=convert, tm=tm):
             for h, f in convert:  # each activation converted once per run
                 h.copy_(f)
-            for a, b, s, x, o, y, z in calls:
+            for a, b, s, x, o, y, _, z in calls:
                 tm(a, x, out=y)
                 tm(b, y, out=z)
                 o.add_(z, alpha=s)
@@ -185,7 +184,7 @@ def _torch_impl(torch, calls, dtype, copies):
         def torch_fn(calls=bound, convert=convert, tm=tm):
             for h, f in convert:
                 h.copy_(f)
-            for at, bt, s, x, o, y, z in calls:
+            for at, bt, s, x, o, y, _, z in calls:
                 tm(x, at, out=y)
                 tm(y, bt, out=z)
                 o.add_(z, alpha=s)
