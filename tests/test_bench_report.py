@@ -290,6 +290,26 @@ def test_no_ratio_when_every_sample_sits_on_the_ticks_grid():
     assert summarize([8.3e-3, 7.7e-3, 8.9e-3], 1)["clean"]
 
 
+def test_samples_spent_waiting_for_a_cpu_are_set_apart():
+    """Recorded in a --quick run under a load average of 7: torch's two threads took 35-49 ms a
+    call for a 10 us prefill, every call (no faster one to compare with, no tick grid), while
+    the run queue held its threads for nearly all of it.  Without the wait the report printed
+    8847x; a sample whose own threads mostly ran keeps its place however slow it is."""
+    from lorabench.timing import descheduled, run_queue_wait, summarize
+
+    torch_ms = [35.33e-3, 43.98e-3, 48.75e-3]
+    assert descheduled(torch_ms, 1, 35.33e-3)[0] == [False, False, False]  # the times alone
+    assert descheduled(torch_ms, 1, 35.33e-3, waited=[0.95, 1.4, 0.92])[0] == [True, True, True]
+    s = summarize(torch_ms, 1, waited=[0.95, 1.4, 0.92])
+    assert not s["clean"] and s["descheduled"] == 3
+    # waiting a quarter of a sample counts only where the sample is also slow against the floor
+    assert descheduled([10e-6, 16e-6, 10.5e-6], 100, 10e-6, waited=[0.3, 0.3, 0.3])[0] == [False, True, False]
+    # summarize keeps each wait with its own sample when it sorts them
+    assert summarize([16e-6, 10e-6, 10.5e-6], 100, waited=[0.3, 0.95, 0.0])["descheduled"] == 2
+    if Path("/proc/self/task").is_dir():
+        assert run_queue_wait() >= 0.0
+
+
 def test_no_ratio_from_tick_dominated_samples_and_the_mark_sits_on_the_number():
     w = _row("decode 4096x4096 r16", {"ours": CLEAN, "numpy_naive": TICKED,
                                       "numpy_tuned:views": [13.6e-6] * 5, "numpy_tuned:transposed": [9.5e-6] * 5,

@@ -89,6 +89,7 @@ def main(argv=None, description=None):
         impl_budget_s=0.15 if quick else 0.6,
         settle_s=(args.settle_ms if args.settle_ms is not None else 150 if quick else 200) * 1e-3,
         quiet_wait_s=args.wait_quiet,
+        tick_retries=1 if quick else 3,  # a busy machine would make --quick's every block thrice
     )
     sweep_layers, sizing = workloads.size_sweep(cpu["llc"]["bytes"], cpu["mem_available_bytes"],
                                                  args.sweep_layers, quick)

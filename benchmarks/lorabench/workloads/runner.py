@@ -32,8 +32,8 @@ def run_workload(wl, ctx, cfg, status, monitor=None):
         res["timing"] = built.timing
     samples, res["others_cpu"] = measure(built.impls, cfg, status, wl.name, monitor)
     impls = built.impls
-    res["impls"] = {name: {**summarize(v, impls[name].k, impls[name].best), "calls_per_sample": impls[name].k}
-                    for name, v in samples.items()}
+    res["impls"] = {name: {**summarize(v, impls[name].k, impls[name].best, impls[name].waited),
+                           "calls_per_sample": impls[name].k} for name, v in samples.items()}
     for name, impl in impls.items():
         if impl.keep is not None:  # a read reference: record its size
             res["impls"][name]["bytes"] = impl.keep.nbytes
