@@ -160,7 +160,7 @@ def _peak_line(meta):
 
 def _ratio(v, mark=""):
     """A ratio cell: the value and its mark ("~": descheduled samples set apart, "!": measured
-    while other processes were busy), or "ticks" where no ratio can be had (see RATIO_MARKS)."""
+    while other processes were busy), or "ticks" where no ratio can be had (see `marks_note`)."""
     if mark == "ticks":
         return "ticks"
     if v is None:
@@ -171,11 +171,11 @@ def _ratio(v, mark=""):
 def marks_note():
     """The legend of the table's marks."""
     return [
-        "marks, next to the number they qualify: ~ = samples descheduled by the scheduler (a block about a",
-        "  whole number of its ~4 ms ticks past the fastest this implementation ran) were set apart before the",
-        f"  median; ! = other processes used more than {CpuMonitor.BUSY:g} CPUs while the row was measured; ticks = no",
-        "  ratio: one side kept too few samples that were not descheduled, even measured again (it would time",
-        "  the scheduler, not the code).",
+        "marks, next to the number they qualify: ~ = samples descheduled by the scheduler (about a whole",
+        "  number of its ~4 ms ticks past the fastest this implementation ran, or spent waiting for a CPU) were",
+        f"  set apart before the median; ! = other processes used more than {CpuMonitor.BUSY:g} CPUs while the row was",
+        "  measured; ticks = no ratio: one side kept too few samples that were not descheduled, even measured",
+        "  again (it would time the scheduler, not the code).",
     ]
 
 
