@@ -187,7 +187,7 @@ int lora_get_num_threads(void) {
 #define LORA_SOLO_MIN ((int64_t)10000000)   /* ns */
 #define LORA_SOLO_MAX ((int64_t)2000000000) /* ns */
 #define LORA_SOLO_PER 100
-#define LORA_LOSSES 2  /* judged team calls lost in a row that start a back-off */
+#define LORA_LOSSES 2  /* judged team calls in debt, the last one lost, that start a back-off */
 
 static int64_t g_solo_until = 0;           /* monotonic ns: one thread until then */
 static int64_t g_solo_ns = LORA_SOLO_MIN;  /* the next back-off */
