@@ -119,28 +119,42 @@ int lora_get_num_threads(void) {
  *
  * A call opens a parallel region only when two things hold: it has at least
  * LORA_PAR_MIN_WORK multiply-adds (below that, waking a team costs more than
- * it saves even on idle cores), and the last team call that was measured paid
- * off.  Every team call times itself: its wall time against the sum of the
- * time its threads spent computing (barrier waits excluded), which is about
- * what one thread would have needed.  A team that does not beat that sum by
- * LORA_TEAM_PAYOFF did not pay: a thread was waiting for a CPU (other
- * processes, or another thread pool in this process, keep the cores busy),
- * and a spinning partner then burns whole scheduler time slices.  Calls then
- * run on one thread for a back-off period, and the team calls after it are
- * the next probe.  The first team call of a process and the first after a
- * back-off are not judged: the OpenMP threads have gone to sleep meanwhile
- * (libgomp's default waits spin only briefly), and waking them can cost more
- * than a 20-100 us call saves, so judging that call would make one lost call
- * keep the process on one thread for good (a 4096 x 4096 rank-64 decode ran
- * 3.6x slower that way on an idle machine); the next team call, with the
- * team awake if calls follow each other, is judged.  A back-off starts after
- * LORA_LOSSES judged calls lost in a row, so that one call slowed by an
- * interrupt on an idle machine does not cost 10 ms on one thread.  The period
- * is at least LORA_SOLO_PER times the losing call's wall time, so probing
- * (three team calls) costs at most ~3/LORA_SOLO_PER of the time (a probe
- * under load can take a time slice or two, 4-30 ms measured, hence periods of
- * ~1 s); it doubles from LORA_SOLO_MIN while teams keep losing, up to
- * LORA_SOLO_MAX, and halves after every team call that pays.
+ * it saves even on idle cores), and the team calls measured lately paid off.
+ * Every team call times itself: its wall time against the sum of the time its
+ * threads spent computing (barrier waits excluded), which is about what one
+ * thread would have needed.  A team call above LORA_TEAM_PAYOFF of that sum
+ * did not pay: a thread was waiting for a CPU (other processes, or another
+ * thread pool in this process, keep the cores busy), and a spinning partner
+ * then burns whole scheduler time slices.
+ *
+ * The judge keeps accounts, not a count: what judged calls lost over the
+ * payoff line is owed, what they won repays it, and the team pays again when
+ * nothing is owed.  Under load the two are not alike: a won call saves a few
+ * microseconds, a lost one can wait a scheduler tick (~4 ms) for its partner,
+ * so a loss that later calls happen to win does not clear the debt (judging
+ * each call alone, losses and wins in turn never backed off, and a 4096 x
+ * 4096 rank-16 decode took 2.2x its one-thread time on a Zen 4 with both
+ * cores busy elsewhere).  Once LORA_LOSSES judged calls have run in debt and
+ * the last of them lost, calls run on one thread for a back-off period, and
+ * the team calls after it are the next probe.
+ *
+ * The back-off is at least LORA_SOLO_PER times the wall time of every team
+ * call since the team last paid, the probe's first call included, so probing
+ * costs at most ~1/LORA_SOLO_PER of the time however long its calls waited
+ * (sizing it by the last losing call alone let a probe whose first call
+ * waited a tick cost as much as the 10 ms back-off it bought).  It doubles
+ * from LORA_SOLO_MIN while teams keep losing, up to LORA_SOLO_MAX, and halves
+ * after every team call that pays.
+ *
+ * The first team call of a process and the first after a back-off are timed
+ * into the probe's cost but not judged: the OpenMP threads have gone to sleep
+ * meanwhile (libgomp's default waits spin only briefly), and waking them can
+ * cost more than a 20-100 us call saves, so judging that call would make one
+ * lost call keep the process on one thread for good (a 4096 x 4096 rank-64
+ * decode ran 3.6x slower that way on an idle machine); the next team call,
+ * with the team awake if calls follow each other, is judged.  Requiring
+ * LORA_LOSSES judged calls in debt keeps one call slowed by an interrupt on
+ * an idle machine from costing 10 ms on one thread.
  *
  * Only the timing decides, never the bits: every thread count gives the same
  * results.  The state is process-wide, read and written with relaxed atomics
@@ -173,13 +187,15 @@ int lora_get_num_threads(void) {
 #define LORA_SOLO_MIN ((int64_t)10000000)   /* ns */
 #define LORA_SOLO_MAX ((int64_t)2000000000) /* ns */
 #define LORA_SOLO_PER 100
-#define LORA_LOSSES 2  /* judged team calls lost in a row that start a back-off */
+#define LORA_LOSSES 2  /* judged team calls in debt, the last one lost, that start a back-off */
 
 static int64_t g_solo_until = 0;           /* monotonic ns: one thread until then */
 static int64_t g_solo_ns = LORA_SOLO_MIN;  /* the next back-off */
 static int64_t g_team_calls = 0, g_team_lost = 0;
 static int g_waking = 1;                   /* the next team call wakes the team: not judged */
-static int g_lost_run = 0;                 /* judged team calls lost in a row */
+static int64_t g_owed_ns = 0;    /* judged calls' time over the payoff line, less what they won */
+static int64_t g_probe_ns = 0;   /* wall time of the team calls since the team last paid */
+static int g_owing_calls = 0;    /* judged team calls since the team last paid */
 
 #define LOAD_(v) __atomic_load_n(&(v), __ATOMIC_RELAXED)
 #define STORE_(v, x) __atomic_store_n(&(v), (x), __ATOMIC_RELAXED)
@@ -287,17 +303,26 @@ int lora_call_threads(int64_t work, int64_t bytes) {
 
 void lora_team_report(double wall, double busy) {
     __atomic_add_fetch(&g_team_calls, 1, __ATOMIC_RELAXED);
+    const int64_t wall_ns = (int64_t)(wall * 1e9);
+    const int64_t probe = __atomic_add_fetch(&g_probe_ns, wall_ns, __ATOMIC_RELAXED);
     if (__atomic_exchange_n(&g_waking, 0, __ATOMIC_RELAXED)) return;
+    const int64_t over = (int64_t)((wall - LORA_TEAM_PAYOFF * busy) * 1e9);
+    if (over > 0) __atomic_add_fetch(&g_team_lost, 1, __ATOMIC_RELAXED);
+    const int64_t owed = LOAD_(g_owed_ns) + over;
     int64_t solo = LOAD_(g_solo_ns);
-    if (wall < LORA_TEAM_PAYOFF * busy) {
+    if (owed <= 0) { /* the team pays: nothing owed */
         if (solo > LORA_SOLO_MIN) STORE_(g_solo_ns, solo / 2);
-        STORE_(g_lost_run, 0);
+        STORE_(g_owed_ns, 0);
+        STORE_(g_probe_ns, 0);
+        STORE_(g_owing_calls, 0);
         return;
     }
-    __atomic_add_fetch(&g_team_lost, 1, __ATOMIC_RELAXED);
-    if (__atomic_add_fetch(&g_lost_run, 1, __ATOMIC_RELAXED) < LORA_LOSSES) return;
-    STORE_(g_lost_run, 0);
-    const int64_t cost = (int64_t)(wall * 1e9) * LORA_SOLO_PER;
+    STORE_(g_owed_ns, owed);
+    if (__atomic_add_fetch(&g_owing_calls, 1, __ATOMIC_RELAXED) < LORA_LOSSES || over <= 0) return;
+    STORE_(g_owed_ns, 0);
+    STORE_(g_probe_ns, 0);
+    STORE_(g_owing_calls, 0);
+    const int64_t cost = probe > LORA_SOLO_MAX / LORA_SOLO_PER ? LORA_SOLO_MAX : probe * LORA_SOLO_PER;
     if (cost > solo) solo = cost;
     if (solo > LORA_SOLO_MAX) solo = LORA_SOLO_MAX;
     STORE_(g_solo_until, (int64_t)(lora_now() * 1e9) + solo);
@@ -321,7 +346,9 @@ void lora_team_reset(void) {
     STORE_(g_team_calls, 0);
     STORE_(g_team_lost, 0);
     STORE_(g_waking, 1);
-    STORE_(g_lost_run, 0);
+    STORE_(g_owed_ns, 0);
+    STORE_(g_probe_ns, 0);
+    STORE_(g_owing_calls, 0);
 }
 
 int lora_probe_threads(void) {

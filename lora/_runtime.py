@@ -160,9 +160,11 @@ def thread_policy():
     ``lib.lora_team_min_work_past_l2()`` when the bytes it reads, the
     adapter factors with x and out, exceed one core's L2 cache, ``lib.lora_team_l2_bytes()``:
     then each core reads its share from its own L2, or keeps a stream from memory in flight),
-    and only while team calls beat one thread; after two in a row that did not (other work
-    holding the cores), calls run on one thread for a back-off of 10 ms to 2 s, and
-    the team call that ends it only wakes the team (it is not judged).  ``OMP_WAIT_POLICY`` is
+    and only while team calls beat one thread: the time judged team calls lose against one
+    thread is owed until calls that win repay it, and once two have run owing time (other work
+    holding the cores), calls run on one thread for a back-off of 10 ms to 2 s, at least 100x
+    the time the team calls since the team last paid took; the team call that ends it only
+    wakes the team (its time counts in the next back-off, it is not judged).  ``OMP_WAIT_POLICY`` is
     the user's: the library never sets it.
     """
     if not lib.lora_openmp():
@@ -190,8 +192,8 @@ def thread_policy():
                      f"{_size(l2)} L2")
     if notes:
         text += f" ({'; '.join(notes)})"
-    text += (", one thread for 10 ms-2 s after two team calls in a row that were not faster "
-             "than one thread")
+    text += (", one thread for 10 ms-2 s (at least 100x the team calls' time) once two team calls "
+             "ran owing time they lost against one thread")
     wait = os.environ.get("OMP_WAIT_POLICY", "").strip()
     text += f"; OMP_WAIT_POLICY={wait} (yours)" if wait else "; OpenMP wait policy: default"
     left = lib.lora_team_backoff()

@@ -1,10 +1,14 @@
-"""The benchmark's report of PEFT rows (benchmarks/lorabench): a LoRA overhead below the floor
-it is measured against is printed as noise, never as a negative cost."""
+"""The benchmark's report (benchmarks/lorabench) on recorded samples: a LoRA overhead below the
+floor it is measured against is printed as noise, never as a negative cost; samples a descheduled
+thread stretched by whole scheduler ticks never make a ratio, and the marks sit next to the numbers
+they qualify; the closing summary counts the rows; a baseline's formulations fold into the
+fastest, named."""
 
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -153,7 +157,6 @@ def test_the_deltas_reader_reads_each_stored_factor_once():
     """The sweep's reference read of its deltas' own storage (``lora_bench_read_deltas``) covers
     every stored byte of A and B^T once at 1 and 2 threads, and skips views of a caller's
     memory (it must not read PEFT's tensors as if they were packed factors)."""
-    import numpy as np
 
     import lora
     from lora._lora_cffi import ffi, lib
@@ -213,3 +216,217 @@ def test_the_report_prints_the_measured_peak_beside_the_nominal_one():
     assert "0.67x the nominal 2 threads x 2.60 GHz x 64 flop/cycle" in line and "333 GFLOP/s" in line
     meta.update(peak_flops=332.8e9, peak_measured=False)
     assert report._peak_line(meta).startswith("compute peak (nominal; the measurement failed)")
+
+
+# ---------------------------------------------------------------- descheduled samples
+
+TICK = 0.004
+CACHES = {"L1d": 48 << 10, "L2": 2 << 20, "L3": 32 << 20}
+
+
+def _row(name, samples, k=None, busy=0.0, dtype="float32", group="decode"):
+    """A finished row from recorded per-call samples {impl: [seconds]} (k calls per sample: one
+    sample of at least 1 ms, as the timing calibrates it), analysed as a run analyses it."""
+    from lorabench.timing import summarize
+    from lorabench.workloads import runner
+
+    impls = {}
+    for impl, v in samples.items():
+        kk = k or max(1, round(1e-3 / min(v)))
+        impls[impl] = {**summarize(v, kk), "calls_per_sample": kk}
+    res = {"bytes": 544 << 10, "flops": 2 * 16 * 8192, "others_cpu": busy, "torch_used": True}
+    res["impls"], res["candidates"] = runner.fold_candidates(impls)
+    w = SimpleNamespace(name=name, group=group, dtype=dtype, key="", result=res)
+    runner.analyse(w, res, None, None, 2, CACHES, {})
+    return w
+
+
+# what a busy 2-vCPU run recorded (bench.py --quick while two other processes kept both cores
+# busy): NumPy's two BLAS threads waited a tick for a CPU on most calls, so its samples (one call
+# each: the calibration's one call was already stretched) sit on whole ticks past its 9.5 us
+TICKED = [4.0093e-3, 4.0101e-3, 8.0102e-3, 9.5e-6, 4.0089e-3, 12.0110e-3]
+CLEAN = [5.9e-6, 6.0e-6, 5.95e-6, 6.1e-6, 5.9e-6]
+
+
+def test_tick_quantized_samples_are_set_apart_and_counted():
+    from lorabench.timing import descheduled, summarize
+
+    flags, quantized = descheduled(TICKED, 1, 9.5e-6, TICK)
+    assert flags == [True, True, True, False, True, True] and quantized == 5
+    s = summarize(TICKED, 1)
+    assert s["descheduled"] == 5 and s["tick_quantized"] == 5 and not s["clean"]
+    assert s["all_median_s"] > 4e-3  # what the old report called the median
+    # a few stretched samples among many clean ones: the median is the clean samples'
+    mixed = [9.5e-6, 9.6e-6, 4.0095e-3, 9.4e-6, 9.7e-6, 8.0096e-3]
+    s = summarize(mixed, 1)
+    assert s["clean"] and s["descheduled"] == 2 and s["median_s"] == pytest.approx(9.55e-6)
+    # a slow sample that is not far past the floor is the code's own spread, not a tick; so is
+    # a block of calls each 2.5x slower on their own (the excess a fraction of a tick away from
+    # a whole number); a block 3 ticks past the floor is descheduling wherever it falls
+    assert not any(descheduled([9.5e-6, 11e-6, 14e-6], 100, 9.5e-6, TICK)[0])
+    assert descheduled([11.4e-6, 37.9e-6, 11.4e-6 + 3.4 * TICK / 90], 90, 11.4e-6, TICK) == ([False, False, True], 0)
+    # many calls a sample: a tick spread over k calls still shows as the block's excess
+    k = 100
+    per_call = [10e-6, 10e-6 + TICK / k, 10.2e-6, 10e-6 + 2 * TICK / k]
+    assert descheduled(per_call, k, 10e-6, TICK) == ([False, True, False, True], 2)
+
+
+def test_no_ratio_when_every_sample_sits_on_the_ticks_grid():
+    """Recorded in a --quick run with other processes on both CPUs: NumPy's two BLAS threads
+    waited for a CPU on every call, so even the fastest of its samples was the scheduler's
+    (8, 8 and 10 ticks), and its one-thread naive form ran the same prefill in 0.25 ms.  The old
+    report printed 406x; no ratio may come from them."""
+    w = _row("prefill b32 4096x4096 r16", {
+        "ours": [77.9e-6, 76.6e-6, 86.7e-6], "numpy_naive": [251.0e-6, 233.1e-6, 254.2e-6],
+        "numpy_tuned:views": [31.994227e-3, 31.977592e-3, 39.974325e-3],
+        "numpy_tuned:B^T copied": [32.167079e-3, 32.01e-3, 36.02e-3]}, group="prefill")
+    r = w.result
+    assert r["impls"]["numpy_tuned"]["descheduled"] == 3 and not r["impls"]["numpy_tuned"]["clean"]
+    assert r["ratio_marks"].get("numpy_tuned") == "ticks" and "numpy_naive" not in r["ratio_marks"]
+    line = report.table_lines([w])[2]
+    assert "ticks" in line and "406" not in line and "3.22x" in line
+    # a call that genuinely lasts about 8 ms, its samples spread off the grid, keeps its ratio
+    from lorabench.timing import summarize
+    assert summarize([8.3e-3, 7.7e-3, 8.9e-3], 1)["clean"]
+
+
+def test_samples_spent_waiting_for_a_cpu_are_set_apart():
+    """Recorded in a --quick run under a load average of 7: torch's two threads took 35-49 ms a
+    call for a 10 us prefill, every call (no faster one to compare with, no tick grid), while
+    the run queue held its threads for nearly all of it.  Without the wait the report printed
+    8847x; a sample whose own threads mostly ran keeps its place however slow it is."""
+    from lorabench.timing import descheduled, run_queue_wait, summarize
+
+    torch_ms = [35.33e-3, 43.98e-3, 48.75e-3]
+    assert descheduled(torch_ms, 1, 35.33e-3)[0] == [False, False, False]  # the times alone
+    assert descheduled(torch_ms, 1, 35.33e-3, waited=[0.95, 1.4, 0.92])[0] == [True, True, True]
+    s = summarize(torch_ms, 1, waited=[0.95, 1.4, 0.92])
+    assert not s["clean"] and s["descheduled"] == 3
+    # waiting a quarter of a sample counts only where the sample is also slow against the floor
+    assert descheduled([10e-6, 16e-6, 10.5e-6], 100, 10e-6, waited=[0.3, 0.3, 0.3])[0] == [False, True, False]
+    # summarize keeps each wait with its own sample when it sorts them
+    assert summarize([16e-6, 10e-6, 10.5e-6], 100, waited=[0.3, 0.95, 0.0])["descheduled"] == 2
+    if Path("/proc/self/task").is_dir():
+        assert run_queue_wait() >= 0.0
+
+
+def test_no_ratio_from_tick_dominated_samples_and_the_mark_sits_on_the_number():
+    w = _row("decode 4096x4096 r16", {"ours": CLEAN, "numpy_naive": TICKED,
+                                      "numpy_tuned:views": [13.6e-6] * 5, "numpy_tuned:transposed": [9.5e-6] * 5,
+                                      "torch": [11e-6, 11e-6, 11e-6, 4.011e-3, 11.1e-6]})
+    r = w.result
+    assert r["ratio_marks"] == {"numpy_naive": "ticks", "torch": "~"}
+    assert r["impls"]["numpy_tuned"]["how"] == "transposed" and r["speedup"]["numpy_tuned"] == pytest.approx(9.5 / 5.95)
+    assert r["speedup"]["torch"] == pytest.approx(11.0 / 5.95)  # the stretched sample is not in it
+    head, _, line = report.table_lines([w])
+    cells = line.split()
+    assert "ticks" in cells and not any(c.endswith("x") and float(c[:-1]) > 100 for c in cells if c[:-1].replace(".", "").isdigit())
+    assert "1.60x" in cells and "1.85x~" in cells
+    # the marks are in their columns, before the long "other" column
+    assert line.index("ticks") < head.index("other") and line.index("1.85x~") < head.index("other")
+    assert "tuned: transposed" in line
+    busy = _row("decode 4096x4096 r16", {"ours": CLEAN, "numpy_tuned:views": [9.5e-6] * 5}, busy=1.9)
+    line = report.table_lines([busy])[2]
+    assert "5.95 µs!" in line and "1.60x!" in line and "others used" not in line
+    # the target reading a "ticks" ratio is noisy, never PASS / MISS
+    t = targets.Target("naive", targets.Rows("decode"), targets.Speedup("numpy_naive"), ">=", 2.0)
+    got = targets.evaluate(t, [w], None, busy_limit=1.0)
+    assert got["status"] == "noisy" and got["value"] is None and "descheduled" in got["detail"]
+    t = targets.Target("tuned", targets.Rows("decode"), targets.Speedup("numpy_tuned"), ">=", 2.0)
+    got = targets.evaluate(t, [w], None, busy_limit=1.0)
+    assert got["status"] == "MISS" and "transposed" in got["detail"]
+
+
+def test_the_closing_summary_counts_rows_and_says_where_and_how_long():
+    rows = [_row("decode 4096x4096 r16", {"ours": CLEAN, "numpy_naive": TICKED, "numpy_tuned:a": [12e-6] * 5,
+                                          "torch": [3e-6] * 5}),
+            _row("prefill b8 4096x4096 r16", {"ours": [20e-6] * 5, "numpy_tuned:a": [40e-6] * 5,
+                                              "torch": [30e-6] * 5}, busy=0.9),
+            _row("gather n1 32000x4096 r16", {"ours": [2.6e-6] * 5, "numpy_tuned:a": [5.5e-6] * 5,
+                                              "numpy_tuned:b": [6.2e-6] * 5, "torch": [5.4e-6] * 5}, group="gather")]
+    meta = {"elapsed_s": 297.4, "quick": True, "threads": 2, "cpu": {"model": "AMD EPYC 9R14"},
+            "load": {"loadavg_start": [2.1, 1, 1], "loadavg_end": [3.0, 2, 1], "others_cpu_run": 1.4}}
+    text = "\n".join(report.summary_lines(rows, meta))
+    # NumPy: 12/5.95, 2.0, 5.5/2.6 (naive's "ticks" ratio left out); torch: 3/5.95, 1.5, 5.4/2.6
+    g_np = (12 / 5.95 * 2.0 * 5.5 / 2.6) ** (1 / 3)
+    g_t = (3 / 5.95 * 1.5 * 5.4 / 2.6) ** (1 / 3)
+    assert f"NumPy formulation measured: lora faster on 3 of 3 rows; geometric mean {g_np:.2f}x" in text
+    assert f"PyTorch formulation measured: lora faster on 2 of 3 rows; geometric mean {g_t:.2f}x" in text
+    assert "lowest 0.50x: decode 4096x4096 r16 f32" in text
+    assert "noisy rows: 2 of 3 timed rows: 1 measured while other processes used > 0.15 CPUs (!), " \
+           "1 with descheduled samples set apart (~); 1 ratio(s) not computed (ticks): " \
+           "decode 4096x4096 r16 f32 vs numpy_naive" in text
+    assert "this run: 297 s (--quick) on AMD EPYC 9R14, 2 threads; load average 2.10 at start, 3.00 at end" in text
+    baselines = "\n".join(report.baseline_lines(rows))
+    assert "NumPy tuned 5.50 µs" in baselines and "[a; b 6.20 µs]" in baselines
+
+
+def test_a_one_call_calibration_stretched_by_a_tick_does_not_set_the_loop_length():
+    """The loop length comes from the fastest of a few single calls: one call that lost the CPU
+    (4 ms) must not make every sample a single call."""
+    from lorabench.timing import Impl, TimingConfig, calibrate
+
+    times = iter([10e-6, 4e-3] + [10e-6] * 200)  # first touch, then one call descheduled
+
+    def call():
+        import time as _t
+        _t.sleep(0)  # its time comes from `times`
+
+    impl = Impl(call)
+    real = Impl.run
+
+    def fake(self, k):
+        t = sum(next(times, 10e-6) for _ in range(k))
+        self.best = min(self.best, t / k)
+        return t
+    Impl.run = fake
+    try:
+        calibrate(impl, TimingConfig(min_sample_s=1e-3, samples=3, rounds=1, impl_budget_s=0.1, settle_s=0))
+    finally:
+        Impl.run = real
+    assert impl.k >= 90 and impl.best == 10e-6
+
+
+@pytest.mark.parametrize("batch", [None, 5])
+def test_every_baseline_formulation_computes_the_lora_term(batch):
+    """Each formulation a tuned baseline is timed in (NumPy's and PyTorch's, per delta and
+    concatenated) adds s B (A x) into its out: a fast wrong baseline would flatter nobody."""
+    from lorabench.workloads import baselines, core
+
+    rng = np.random.default_rng(5)
+    terms = [(*core.pair(rng, 33, 47, r), s) for r, s in ((4, 2.0), (7, 0.5))]
+    x = core.rand(rng, (47,) if batch is None else (batch, 47), 1.0)
+    want = sum(core.lora_ref(a, b, s, x) for a, b, s in terms)
+    oshape = want.shape
+    for build in (lambda o: baselines.numpy_tuned(baselines.calls(terms, x, o)),
+                  lambda o: baselines.numpy_concat(terms, x, o)):
+        out = np.zeros(oshape, np.float32)
+        impls = build(out)
+        assert len(impls) == 3
+        for impl in impls.values():
+            impl.fn(*impl.args)
+        np.testing.assert_allclose(out, len(impls) * want, rtol=1e-5, atol=1e-6)
+    torch = pytest.importorskip("torch")
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        for build in (lambda o: baselines.torch_baseline(torch, baselines.calls(terms, torch.from_numpy(x), o), dtype),
+                      lambda o: baselines.torch_concat(torch, terms, torch.from_numpy(x), o, dtype)):
+            out = torch.zeros(oshape)
+            impls = build(out)
+            assert sorted(k.split(":")[1] for k in impls) == ["transposed copies", "views"]
+            for impl in impls.values():
+                impl.fn(*impl.args)
+            np.testing.assert_allclose(out.numpy(), 2 * want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_the_peft_example_never_prints_a_negative_lora_cost():
+    """examples/peft_generate.py: a run faster than the base model it contains is noise, said so."""
+    import importlib.util
+
+    pytest.importorskip("peft")
+    path = Path(__file__).resolve().parent.parent / "examples" / "peft_generate.py"
+    spec = importlib.util.spec_from_file_location("peft_generate", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.lora_cost(6.13, 5.40, 32) == "LoRA  22.81 ms/step"
+    text = example.lora_cost(5.40, 21.14, 32)  # the 491.72 ms/step "saving" of a busy machine
+    assert "-" not in text and "491.88 ms/step below the base model's time (noise, not a saving)" in text

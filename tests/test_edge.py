@@ -549,3 +549,119 @@ def test_a_table_call_without_positions_still_checks_its_scales():
     with pytest.raises(ValueError, match="non-finite"):
         bank.add_batch_to(np.zeros((2, 0, COLS), np.float32), np.zeros((2, 0, ROWS), np.float32),
                           np.zeros(2, np.int64), np.array([np.nan, 1.0]))
+
+
+# ---------------------------------------------------------------- embedding gathers
+
+def _rows_ref(d, ids, out):
+    """The gather through cffi on copies: one lora_call of a table of one entry."""
+    ids, out = np.ascontiguousarray(ids, np.int64).copy(), out.copy()
+    c = ffi.new("lora_call *")
+    first = ffi.new("int64_t[2]", [0, 1])
+    ptrs = ffi.new("lora_delta *[1]", [d._ptr])
+    sc = ffi.new("double[1]", [float(np.float32(d._scale._value * d._alpha_factor))])
+    c.op, c.n_entries, c.first, c.deltas, c.scales = lib.LORA_OP_ROWS, 1, first, ptrs, sc
+    c.rows, c.cols, c.n, c.ids = ROWS, COLS, ids.size, ffi.from_buffer("int64_t[]", ids)
+    c.out, c.out_dtype, c.ldo = ffi.from_buffer(out, require_writable=True), CODE[out.dtype.name], COLS
+    assert lib.lora_apply(c) == 0
+    return out
+
+
+@pytest.mark.parametrize("odt", list(NP))
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (2, 3)])
+def test_gathers_take_the_edge_with_the_cffi_bits(d, monkeypatch, odt, shape):
+    """add_row_to (an int) and add_rows_to (int64 ids of any shape) are one C call that reads
+    the id(s) and out itself: no Python-side checks, the bits of the cffi call."""
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, ROWS, size=shape if shape else (1,))
+    ids.reshape(-1)[0] = ROWS - 1  # the last row
+    out = rng.standard_normal(shape + (COLS,)).astype(NP[odt])
+    ref = _rows_ref(d, ids, out)
+
+    def call(o):
+        return d.add_rows_to(ids, o) if shape else d.add_row_to(int(ids[0]), o)
+    call(out.copy())  # bfloat16 joins the fast dtypes at its first array
+    seen = _counting(monkeypatch)
+    assert call(out) is out
+    assert seen == [0]
+    assert_same_bits(out, ref)
+
+
+def test_gathers_the_edge_declines_keep_the_checked_paths_rules(d, monkeypatch):
+    """Anything but the common case (a numpy integer or bool id, ids of another dtype or
+    layout, a strided out, a shape that does not fit) is declined to the checked path, and an id
+    out of range comes back as C's refusal: the same results, the same errors, nothing written
+    on error."""
+    rng = np.random.default_rng(12)
+    out = rng.standard_normal(COLS).astype(np.float32)
+    ref = _rows_ref(d, [4], out[None])[0]
+    seen = _counting(monkeypatch)
+    for r in (np.int64(4), np.int32(4)):
+        o = out.copy()
+        d.add_row_to(r, o)
+        assert_same_bits(o, ref)
+    ids = np.array([4, 0, 4], np.int64)
+    outs = np.repeat(out[None], 3, axis=0)
+    want = _rows_ref(d, ids, outs)
+    for i in (ids.astype(np.int32), np.repeat(ids, 2)[::2], list(ids)):
+        o = outs.copy()
+        d.add_rows_to(i, o)
+        assert_same_bits(o, want)
+    assert seen == [DECLINE] * 5
+    o = out.copy()
+    errors = [(lambda: d.add_row_to(True, o), TypeError), (lambda: d.add_row_to(ROWS, o), IndexError),
+              (lambda: d.add_row_to(-1, o), IndexError), (lambda: d.add_row_to(2**70, o), IndexError),
+              (lambda: d.add_row_to(1, np.zeros(COLS + 1, np.float32)), ValueError),
+              (lambda: d.add_rows_to(np.array([1, ROWS], np.int64), np.zeros((2, COLS), np.float32)),
+               IndexError),
+              (lambda: d.add_rows_to(np.array(3, np.int64), o), ValueError),
+              (lambda: d.add_rows_to(ids, np.zeros((2, COLS), np.float32)), ValueError),
+              (lambda: d.add_rows_to(ids, np.repeat(outs, 2, axis=1)[:, ::2]), ValueError)]
+    for call, err in errors:
+        with pytest.raises(err):
+            call()
+    assert_same_bits(o, out)
+    with pytest.raises(IndexError, match=f"token id {ROWS} at position 1 "):
+        d.add_rows_to(np.array([1, ROWS], np.int64), np.zeros((2, COLS), np.float32))
+    assert _edge_call(d, _apply.OP_ROW, ROWS, out.copy(), 1.0) == (lib.LORA_ERR_INDEX, 0)
+    assert _edge_call(d, _apply.OP_ROWS, np.array([0, ROWS]), np.zeros((2, COLS), np.float32),
+                      1.0) == (lib.LORA_ERR_INDEX, 1)
+
+
+def test_gathers_bad_scale_comes_back_as_a_c_status(d):
+    out = np.zeros(COLS, np.float32)
+    assert _edge_call(d, _apply.OP_ROW, 1, out, 1e300) == (lib.LORA_ERR_SCALE, -1)
+    assert not out.any()
+
+
+def test_gathers_into_tensors_take_the_edge(d, monkeypatch):
+    torch = _torch()
+    rng = np.random.default_rng(13)
+    ids = np.array([3, ROWS - 1], np.int64)
+    out = rng.standard_normal((2, COLS)).astype(np.float32)
+    ref = _rows_ref(d, ids, out)
+    d.add_row_to(0, torch.zeros(COLS))  # torch joins the edge at the first tensor
+    seen = _counting(monkeypatch)
+    t = torch.from_numpy(out.copy())
+    assert d.add_rows_to(ids, t) is t
+    row = torch.from_numpy(out[1].copy())
+    d.add_row_to(ROWS - 1, row)
+    assert seen == [0, 0]
+    assert_same_bits(t.numpy(), ref)
+    assert_same_bits(row.numpy(), ref[1])
+    leaf = torch.zeros(COLS, requires_grad=True)  # declined: the checked path refuses it
+    with pytest.raises(ValueError, match="requires grad"):
+        d.add_row_to(0, leaf)
+    assert seen[-1] == DECLINE
+
+
+def test_a_bank_gather_takes_the_edge(monkeypatch):
+    """A bank's gather (token ids and adapter ids) is one C call too."""
+    rng = np.random.default_rng(14)
+    bank = lora.LoraBank(_deltas(rng) + [None])
+    tok = np.array([[0, 5], [ROWS - 1, 2]], np.int64)
+    ids = np.array([[1, 3], [0, 2]], np.int64)
+    o1, o2, seen = _both_ways(monkeypatch, lambda o: bank.add_rows_to(tok, o, ids),
+                              lambda: np.ones((2, 2, COLS), np.float32))
+    assert seen == [0]
+    assert_same_bits(o1, o2)

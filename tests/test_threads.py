@@ -403,7 +403,7 @@ def test_a_losing_team_backs_off_to_one_thread(fresh_policy):
     lib.lora_team_report(1e-3, 1e-3)    # lost twice in a row: back off
     assert _team_calls() == (4, 2)
     left = lib.lora_team_backoff()
-    assert 0.0 < left <= 0.1            # 100x the losing call's 1 ms
+    assert 0.1 < left <= 0.2            # 100x the two losing calls' 2 ms
     assert lib.lora_call_threads(big, 0) == 1
     if top > 1:
         assert "now one thread" in lora.kernel_info()["thread_policy"]
@@ -420,9 +420,9 @@ def test_the_team_call_that_ends_a_back_off_is_not_judged(fresh_policy):
     if lora.get_num_threads() < 2:
         pytest.skip("one thread: no team")
     big = 1 << 30
-    lib.lora_team_report(1e-3, 1e-3)      # waking call
-    lib.lora_team_report(1e-4, 1e-4)      # loses
-    lib.lora_team_report(1e-4, 1e-4)      # loses again: back off for 10 ms (the minimum)
+    lib.lora_team_report(1e-5, 1e-5)      # waking call
+    lib.lora_team_report(1e-5, 1e-5)      # loses
+    lib.lora_team_report(1e-5, 1e-5)      # loses again: back off for 10 ms (the minimum)
     assert 0.0 < lib.lora_team_backoff() <= 0.01
     while lib.lora_team_backoff() > 0.0:
         time.sleep(0.002)
@@ -434,8 +434,38 @@ def test_the_team_call_that_ends_a_back_off_is_not_judged(fresh_policy):
     assert lib.lora_team_backoff() > 0.0 and _team_calls() == (6, 4)
 
 
+def test_losses_that_wins_do_not_repay_back_off(fresh_policy):
+    """Under load a lost team call waits a scheduler tick for its partner while a won one saves
+    microseconds: wins in between do not clear what the losses cost, so a lose-win-lose run backs
+    off (judging each call alone it never did, and the calls ran at 2.2x one thread's time)."""
+    lib.lora_team_report(1e-5, 1e-5)      # waking call
+    lib.lora_team_report(4e-3, 1e-5)      # lost a tick
+    lib.lora_team_report(0.5e-5, 1e-5)    # paid, 5 us: the tick is still owed
+    assert lib.lora_team_backoff() == 0.0
+    lib.lora_team_report(4e-3, 1e-5)      # lost a tick again: back off
+    assert lib.lora_team_backoff() > 0.5 and _team_calls() == (4, 2)
+
+
+def test_the_back_off_pays_for_the_whole_probe(fresh_policy):
+    """A probe's first team call (waking the team) can wait a tick under load: the back-off it
+    buys is at least 100x every team call since the team last paid, that one included, so
+    probing costs ~1 % of the time however the probe's time was spent."""
+    lib.lora_team_report(4e-3, 1e-5)      # waking call, a tick: not judged, but paid for
+    lib.lora_team_report(1.1e-5, 1e-5)    # lost by a little
+    lib.lora_team_report(1.1e-5, 1e-5)    # and again: back off
+    assert lib.lora_team_backoff() >= 0.4  # 100x the probe's 4.02 ms, not 100x the 11 us call
+    lib.lora_team_reset()
+    lib.lora_team_report(4e-3, 1e-5)      # a slow waking call followed by calls that pay
+    for _ in range(3):
+        lib.lora_team_report(0.6e-5, 1e-5)
+    lib.lora_team_report(1.1e-5, 1e-5)    # then two small losses: 100x their 22 us < 10 ms
+    lib.lora_team_report(1.1e-5, 1e-5)
+    assert 0.0 < lib.lora_team_backoff() <= 0.01  # the paid-for wake-up is not billed again
+
+
 def test_one_lost_team_call_among_winners_starts_no_back_off(fresh_policy):
-    """An interrupt can slow one team call on an idle machine: only losses in a row count."""
+    """An interrupt can slow one team call on an idle machine: a loss the next win repays
+    starts nothing."""
     lib.lora_team_report(1e-3, 1e-3)      # waking call
     for _ in range(5):
         lib.lora_team_report(1e-3, 1e-3)  # lost

@@ -79,6 +79,7 @@ def main(argv=None, description=None):
     if args.team_compare:
         return teamcompare.run(args)
     quick = args.quick
+    t_start = time.monotonic()
     cpu = machine.cpu_info()
     threads = args.threads or cpu["usable_cpus"] or 1
     cfg = TimingConfig(
@@ -88,6 +89,7 @@ def main(argv=None, description=None):
         impl_budget_s=0.15 if quick else 0.6,
         settle_s=(args.settle_ms if args.settle_ms is not None else 150 if quick else 200) * 1e-3,
         quiet_wait_s=args.wait_quiet,
+        tick_retries=1 if quick else 3,  # a busy machine would make --quick's every block thrice
     )
     sweep_layers, sizing = workloads.size_sweep(cpu["llc"]["bytes"], cpu["mem_available_bytes"],
                                                  args.sweep_layers, quick)
@@ -212,8 +214,10 @@ def main(argv=None, description=None):
                          "(a larger --sweep-layers tells)")
 
     results = targets.evaluate_all(W, {"bw": bw, "llc_bytes": cpu["llc"]["bytes"]})
-    out = report.header_lines(meta) + [""] + report.table_lines(W) + [""] + COLUMNS_NOTE
-    for section in (report.startup_lines(W), report.baseline_lines(W), report.target_lines(results, quick)):
+    meta["elapsed_s"] = time.monotonic() - t_start
+    out = report.header_lines(meta) + [""] + report.table_lines(W) + [""] + COLUMNS_NOTE + report.marks_note()
+    for section in (report.startup_lines(W), report.baseline_lines(W), report.target_lines(results, quick, bool(args.only)),
+                    report.summary_lines(W, meta)):
         out += [""] + section if section else []
     skips = [f"{targets.label(w)}: {w.result['skip']}" for w in W if "skip" in w.result]
     if notes or skips:

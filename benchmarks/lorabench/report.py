@@ -158,19 +158,52 @@ def _peak_line(meta):
     return f"compute peak (nominal; the measurement failed): {nominal_text}" if nominal else None
 
 
-def _ratio(v):
+def _ratio(v, mark=""):
+    """A ratio cell: the value and its mark ("~": descheduled samples set apart, "!": measured
+    while other processes were busy), or "ticks" where no ratio can be had (see `marks_note`)."""
+    if mark == "ticks":
+        return "ticks"
     if v is None:
         return "-"
-    return f"{v:.2f}x" if v < 10 else f"{v:.1f}x" if v < 100 else f"{v:.0f}x"
+    return (f"{v:.2f}x" if v < 10 else f"{v:.1f}x" if v < 100 else f"{v:.0f}x") + mark
+
+
+def marks_note():
+    """The legend of the table's marks."""
+    return [
+        "marks, next to the number they qualify: ~ = samples descheduled by the scheduler (about a whole",
+        "  number of its ~4 ms ticks past the fastest this implementation ran, or spent waiting for a CPU) were",
+        f"  set apart before the median; ! = other processes used more than {CpuMonitor.BUSY:g} CPUs while the row was",
+        "  measured; ticks = no ratio: one side kept too few samples that were not descheduled, even measured",
+        "  again (it would time the scheduler, not the code).",
+    ]
+
+
+def _busy(w):
+    return (w.result.get("others_cpu") or 0) > CpuMonitor.BUSY
+
+
+def _cell(w, key):
+    """The ratio cell of one row against baseline `key` (None: no such column)."""
+    if key is None:
+        return "-"
+    r = w.result
+    mark = r.get("ratio_marks", {}).get(key, "")
+    return _ratio(r["speedup"].get(key), mark if mark == "ticks" else mark + ("!" if _busy(w) else ""))
 
 
 def _faster(sp, per_member, concatenated):
     """A stack's baseline: the faster of its per-member calls and its concatenated pair, and
-    which one that was."""
+    which one that was (the key and its name)."""
     a, b = sp.get(per_member), sp.get(concatenated)
     if b is not None and (a is None or b < a):
-        return b, "concatenated"
-    return a, "per member"
+        return concatenated, "concatenated"
+    return per_member, "per member"
+
+
+def _how(r, key):
+    """The formulation a folded baseline kept (``runner.fold_candidates``), or None."""
+    return r["impls"].get(key, {}).get("how") if key else None
 
 
 def table_lines(W):
@@ -188,52 +221,52 @@ def table_lines(W):
         o, sp = r["impls"]["ours"], r["speedup"]
         suffix = "_f32" if w.dtype != "float32" else ""
         other = []
+        naive = tuned = tor = None
         if w.group == "bank":
-            naive, tuned, tor = sp.get("numpy_group"), sp.get("gather_einsum"), sp.get("torch_group")
+            naive, tuned, tor = "numpy_group", "gather_einsum", "torch_group"
             other.append("naive=NumPy grouping, tuned=gather+einsum" + (" (torch)" if r.get("torch_used") else " (NumPy)"))
             other.append(f"bank/single {1 / sp['single']:.2f}x")
             if "single_add_to" in sp:
                 other.append(f"bank/add_to {1 / sp['single_add_to']:.2f}x")
         elif w.group in ("edge", "setstep"):
-            naive = tuned = tor = None
             other += _edge_notes(w)
         elif w.group == "peft":
-            naive = tuned = tor = None
             other += _peft_notes(w)
         elif w.group == "dora":
-            naive, tuned, tor = sp.get("numpy_naive"), None, None
+            naive = "numpy_naive"
             other.append(f"DoRA/plain LoRA {1 / sp['plain']:.2f}x")
             if "peft_dora" in sp:
                 other.append(f"vs PEFT's default DoRA (norm every call) {_ratio(sp['peft_dora'])}")
         elif w.group == "merge":
-            naive = tuned = None
-            tor = sp.get("torch")
+            tor = "torch"
             if "peft" in sp:
                 other.append(f"vs PEFT's CPU merge {_ratio(sp['peft'])}")
             other.append("ours: float64 sum, rounded once, overflow checked before writing")
         else:
-            naive, tuned, tor = sp.get("numpy_naive" + suffix), sp.get("numpy_tuned" + suffix), sp.get("torch")
+            naive, tuned, tor = "numpy_naive" + suffix, "numpy_tuned" + suffix, "torch"
             if "numpy_cat" + suffix in sp or "torch_cat" in sp:  # a stack: the faster formulation
                 tuned, tuned_how = _faster(sp, "numpy_tuned" + suffix, "numpy_cat" + suffix)
                 tor, torch_how = _faster(sp, "torch", "torch_cat")
                 other.append(f"tuned={tuned_how}, torch={torch_how}")
+            hows = [f"{col}: {h}" for col, k in (("tuned", tuned), ("torch", tor)) if (h := _how(r, k))]
+            if hows:
+                other.append("; ".join(hows))
             if "ours_f32act" in sp:  # bf16 x/out: against our f32 x/out call and PEFT's upcast
-                other.append(f"vs ours f32 x/out {_ratio(sp['ours_f32act'])}")
+                other.append(f"vs ours f32 x/out {_cell(w, 'ours_f32act')}")
                 if "peft" in sp:
-                    other.append(f"vs PEFT f32 upcast {_ratio(sp['peft'])}")
+                    other.append(f"vs PEFT f32 upcast {_cell(w, 'peft')}")
             if suffix and (w.group != "halfact" or "ours_f32" in sp):
-                other.append(f"vs ours f32 {_ratio(sp.get('ours_f32'))}")
+                other.append(f"vs ours f32 {_cell(w, 'ours_f32')}")
                 if "torch_f32" in sp:
-                    other.append(f"vs torch f32 {_ratio(sp['torch_f32'])}")
-        busy = r.get("others_cpu")
-        if busy is not None and busy > CpuMonitor.BUSY:
-            other.append(f"! others used {busy:.1f} CPU")
+                    other.append(f"vs torch f32 {_cell(w, 'torch_f32')}")
         moved = r["bytes"] or r["flops"]
-        rows.append((w.name, DT[w.dtype], fmt_time(o["median_s"]), fmt_range(o["min_s"], o["max_s"]),
+        ours_mark = ("~" if o.get("descheduled") else "") + ("!" if _busy(w) else "")
+        rows.append((w.name, DT[w.dtype], fmt_time(o["median_s"]) + ours_mark, fmt_range(o["min_s"], o["max_s"]),
                      f"{r['gb_per_s']:.1f}" if moved else "-", f"{r['gflop_per_s']:.1f}" if moved else "-",
                      r["level"] if moved else "-",
                      f"{r['roof_pct']:.0f}%" if "roof_pct" in r else "-",
-                     _ratio(naive), _ratio(tuned), _ratio(tor), "; ".join(other)))
+                     _cell(w, naive if naive in sp else None), _cell(w, tuned if tuned in sp else None),
+                     _cell(w, tor if tor in sp else None), "; ".join(other)))
     widths = [max([len(h)] + [len(x[i]) for x in rows if len(x) == len(head)]) for i, h in enumerate(head)]
     right = {2, 3, 4, 5, 7, 8, 9, 10}
 
@@ -281,15 +314,96 @@ def _peft_notes(w):
 
 
 def baseline_lines(W):
-    lines = ["baseline times (median, min-max):"]
+    lines = ["baseline times (median, min-max; a tuned baseline: the formulation kept, the others' medians):"]
     for w in W:
         impls = w.result.get("impls")
         if not impls:
             continue
-        cells = [f"{_BASE_NAMES.get(k, k)} {fmt_time(v['median_s'])} ({fmt_range(v['min_s'], v['max_s'])})"
-                 for k, v in impls.items() if k != "ours"]
+        cands = w.result.get("candidates", {})
+        cells = []
+        for k, v in impls.items():
+            if k == "ours":
+                continue
+            cell = f"{_BASE_NAMES.get(k, k)} {fmt_time(v['median_s'])} ({fmt_range(v['min_s'], v['max_s'])})"
+            if v.get("descheduled"):
+                cell += f" [{v['descheduled']} of {v['n']} samples descheduled, set apart]"
+            if k in cands:
+                cell += f" [{v['how']}; " + ", ".join(f"{h} {fmt_time(t)}" for h, t in cands[k].items()
+                                                      if h != v["how"]) + "]"
+            cells.append(cell)
         if cells:
             lines.append(f"  {w.name} {DT[w.dtype]}: " + "; ".join(cells))
+    return lines
+
+
+# the baselines the closing summary counts as NumPy's (bank: gather+einsum is NumPy's when torch
+# did not run) and as PyTorch's (`_best_torch`)
+_NUMPY_KEYS = ("numpy_naive", "numpy_tuned", "numpy_cat", "numpy_group")
+
+
+def _best(w, keys):
+    """(speedup over the fastest of `keys` this row has, its key), leaving out any ratio marked
+    "ticks"; (None, None) when there is none."""
+    sp, marks = w.result["speedup"], w.result.get("ratio_marks", {})
+    vals = [(sp[k], k) for k in keys if k in sp and marks.get(k) != "ticks"]
+    return min(vals) if vals else (None, None)
+
+
+def _numpy_keys(w):
+    suffix = "_f32" if w.dtype != "float32" else ""
+    keys = [k + suffix for k in _NUMPY_KEYS]
+    if w.group == "bank" and not w.result.get("torch_used"):
+        keys.append("gather_einsum")
+    return keys
+
+
+def _torch_keys(w):
+    keys = ["torch", "torch_cat", "torch_f32", "torch_group", "peft"]
+    if w.result.get("torch_used"):
+        keys.append("gather_einsum")
+    return keys
+
+
+def _geomean(vals):
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def summary_lines(W, meta):
+    """The closing summary: on how many rows lora is faster than the fastest NumPy and the
+    fastest PyTorch formulation measured, the geometric mean of those ratios, how many rows were
+    noisy and why, and how long the run took on which machine under which load."""
+    rows = [w for w in W if "speedup" in w.result and w.group not in ("edge", "setstep", "peft")]
+    lines = ["summary:"]
+    for what, keys in (("NumPy", _numpy_keys), ("PyTorch", _torch_keys)):
+        got = [(v, w) for w in rows for v, _ in [_best(w, keys(w))] if v is not None]
+        if not got:
+            continue
+        vals = [v for v, _ in got]
+        lo, hi = min(got, key=lambda x: x[0]), max(got, key=lambda x: x[0])
+        lines.append(f"  vs the fastest {what} formulation measured: lora faster on {sum(v > 1 for v in vals)} of "
+                     f"{len(vals)} rows; geometric mean {_ratio(_geomean(vals))} (lowest {_ratio(lo[0])}: "
+                     f"{lo[1].name} {DT[lo[1].dtype]}; highest {_ratio(hi[0])}: {hi[1].name} {DT[hi[1].dtype]})")
+    timed = [w for w in W if "impls" in w.result and w.group not in ("startup", "load")]
+    busy = [w for w in timed if _busy(w)]
+    sets = [w for w in timed if any(v.get("descheduled") for v in w.result["impls"].values())]
+    lost = [(w, k) for w in timed for k, m in w.result.get("ratio_marks", {}).items() if m == "ticks"]
+    lines.append(f"  noisy rows: {len({id(w) for w in busy + sets})} of {len(timed)} timed rows: {len(busy)} measured "
+                 f"while other processes used > {CpuMonitor.BUSY:g} CPUs (!), {len(sets)} with descheduled samples "
+                 f"set apart (~)" + (f"; {len(lost)} ratio(s) not computed (ticks): "
+                                    + ", ".join(f"{w.name} {DT[w.dtype]} vs {k}" for w, k in lost[:6])
+                                    + (", ..." if len(lost) > 6 else "") if lost else "; every ratio computed"))
+    if busy:
+        worst = max(busy, key=lambda w: w.result["others_cpu"])
+        lines.append(f"    busiest: {worst.name} {DT[worst.dtype]}, other processes {worst.result['others_cpu']:.2f} "
+                     f"CPUs")
+    if meta.get("elapsed_s") is not None:
+        load = meta.get("load") or {}
+        la = load.get("loadavg_start"), load.get("loadavg_end")
+        lines.append(f"  this run: {meta['elapsed_s']:.0f} s" + (" (--quick)" if meta["quick"] else "")
+                     + f" on {meta['cpu']['model']}, {meta['threads']} threads"
+                     + (f"; load average {la[0][0]:.2f} at start, {la[1][0]:.2f} at end" if all(la) else "")
+                     + (f"; other processes {load['others_cpu_run']:.2f} CPUs over the run"
+                        if load.get("others_cpu_run") is not None else ""))
     return lines
 
 
@@ -308,7 +422,12 @@ def startup_lines(W):
     return lines
 
 
-def target_lines(results, quick):
+def target_lines(results, quick, only=False):
+    """The verdicts; `only` (a run of some rows, --only): the targets no row of it feeds are left out."""
+    if only:
+        results = [t for t in results if t["rows"] or t["status"] != "SKIP"]
+        if not results:
+            return []
     lines = ["targets" + (" (quick run: indicative only)" if quick else "") + ":"]
     wd = max(len(t["target"]) for t in results)
     for t in results:
@@ -325,13 +444,9 @@ def json_doc(meta, notes, W, results):
 
 
 def _best_torch(w):
-    """Speedup over the fastest PyTorch way of doing this row's job (None without torch)."""
-    sp = w.result["speedup"]
-    keys = ["torch", "torch_cat", "torch_f32", "torch_group", "peft"]
-    if w.result.get("torch_used"):
-        keys.append("gather_einsum")
-    vals = [sp[k] for k in keys if k in sp]
-    return min(vals) if vals else None
+    """Speedup over the fastest PyTorch way of doing this row's job (None without torch, or
+    where every such ratio is marked "ticks")."""
+    return _best(w, _torch_keys(w))[0]
 
 
 def plot(path, W, meta):
@@ -347,14 +462,15 @@ def plot(path, W, meta):
     labels = [f"{w.name} {DT[w.dtype]}" + (" !" if (w.result.get("others_cpu") or 0) > CpuMonitor.BUSY else "")
               for w in done]
 
-    def numpy_ratio(w, kind):  # kind: "tuned" | "naive"
-        sp = w.result["speedup"]
+    def numpy_ratio(w, kind):  # kind: "tuned" | "naive"; no bar for a ratio marked "ticks"
         if w.group == "bank":
-            return min((sp[k] for k in ("numpy_group", "gather_einsum") if k in sp), default=None) \
-                if kind == "tuned" else sp.get("numpy_group")
-        return sp.get(f"numpy_{kind}" + ("_f32" if w.dtype != "float32" else ""))
+            keys = ("numpy_group", "gather_einsum") if kind == "tuned" else ("numpy_group",)
+        else:
+            suffix = "_f32" if w.dtype != "float32" else ""
+            keys = ("numpy_tuned" + suffix, "numpy_cat" + suffix) if kind == "tuned" else ("numpy_naive" + suffix,)
+        return _best(w, keys)[0]
 
-    series = [("vs NumPy tuned (bank: best of grouping, gather+einsum)", lambda w: numpy_ratio(w, "tuned"), "#4c72b0"),
+    series = [("vs the fastest NumPy tuned formulation (bank: best of grouping, gather+einsum)", lambda w: numpy_ratio(w, "tuned"), "#4c72b0"),
               ("vs NumPy naive (bank: grouping)", lambda w: numpy_ratio(w, "naive"), "#a1c0e8"),
               ("vs the fastest PyTorch variant", _best_torch, "#dd8452")]
     # the targets that read one row's bar, drawn on it: (row index, series index, threshold)

@@ -41,7 +41,18 @@ class Rows:
 
 
 # metrics: (rows, run) -> (value or None, detail, the rows the value came from); run: {"bw": the
-# read bandwidth per level (or None), "llc_bytes": the last-level cache}
+# read bandwidth per level (or None), "llc_bytes": the last-level cache}.  A value of None whose
+# detail starts with TICKS is a ratio the run could not measure (its samples were descheduled):
+# the verdict is noisy, not SKIP.
+TICKS = "no ratio: descheduled"
+
+
+def _ticks(w, key):
+    """The TICKS detail when `w`'s ratio against `key` is marked "ticks", else None."""
+    if w.result.get("ratio_marks", {}).get(key) == "ticks":
+        return (f"{TICKS} samples (ours or {key} kept too few that did not lose the CPU to the scheduler's "
+                f"tick, even measured again)")
+    return None
 
 @dataclass(frozen=True)
 class Speedup:
@@ -51,8 +62,13 @@ class Speedup:
     inverse: bool = False
 
     def __call__(self, rows, run):
+        ticks = _ticks(rows[0], self.key)
+        if ticks:
+            return None, ticks, rows[:1]
         v = rows[0].result.get("speedup", {}).get(self.key)
-        return (v and 1 / v if self.inverse else v), "", rows[:1]
+        r = rows[0].result
+        how = r.get("impls", {}).get(self.key, {}).get("how")
+        return (v and 1 / v if self.inverse else v), f"{self.key}: {how}" if how else "", rows[:1]
 
 
 @dataclass(frozen=True)
@@ -63,11 +79,13 @@ class FastestOf:
 
     def __call__(self, rows, run):
         sp = rows[0].result.get("speedup", {})
-        cands = {k: sp[k] for k in self.keys if k in sp}
+        cands = {k: sp[k] for k in self.keys if k in sp and not _ticks(rows[0], k)}
         if not cands:
-            return None, "", rows[:1]
+            ticks = [t for t in (_ticks(rows[0], k) for k in self.keys if k in sp) if t]
+            return None, ticks[0] if ticks else "", rows[:1]
         k = min(cands, key=cands.get)
-        return cands[k], f"best baseline: {k}", rows[:1]
+        how = rows[0].result.get("impls", {}).get(k, {}).get("how")
+        return cands[k], f"best baseline: {k}" + (f" ({how})" if how else ""), rows[:1]
 
 
 @dataclass(frozen=True)
@@ -175,7 +193,7 @@ class SlowestOver:
         for w in rows:
             keys = self.keys + (self.torch_keys_if_used if w.result.get("torch_used") else ())
             for k, v in w.result.get("speedup", {}).items():
-                if k not in keys:
+                if k not in keys or _ticks(w, k):
                     continue
                 used.append(w)
                 n += 1
@@ -345,6 +363,8 @@ def evaluate(target, W, run, busy_limit=CpuMonitor.BUSY):
     out["rows"] = [label(w) for w in used]
     if value is None:
         out["detail"] = detail or "not measured"
+        if detail.startswith(TICKS):
+            out["status"] = "noisy"
         return out
     out["value"], out["detail"] = value, detail
     out["status"] = "PASS" if _OPS[target.op](value, target.threshold) else "MISS"

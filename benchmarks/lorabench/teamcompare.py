@@ -173,7 +173,7 @@ def run(args):
         *body, *sweep_lines, "",
         "2t/1t: two threads' median over one thread's, rounds alternating; a team pays at <= "
         f"{PAYOFF}; teams / lost: team calls of the two-thread blocks and those the policy judged "
-        "lost (two in a row start a back-off to one thread: a block that ends backed off makes "
+        "lost (two in debt start a back-off to one thread: a block that ends backed off makes "
         "the row noisy)",
         "cold sweep: one decode per projection of Llama-2-7B-shaped rank-16 adapters, a model's "
         "decode step with every factor read from memory, the median pass at each floor",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..timing import Impl
+from .baselines import candidates
 from .core import TOL, Built, make_delta, pair, scale_of
 
 GATHER = (32000, 4096, 16)
@@ -25,9 +26,11 @@ def build_gather(ctx, vocab, dim, rank, n):
     """add_row_to (n == 1) or add_rows_to (n ids), against
 
     * numpy_naive: ``out += s * (B[ids] @ A)``;
-    * numpy_tuned: ``np.take(B, ids, out=)`` (or the one row), the scale in place, ``np.matmul(g,
-      A, out=)``, ``np.add(out=)``;
-    * torch: ``index_select(out=)`` then ``out.addmm_(g, A, alpha=s)`` (one row: ``addmv_``)."""
+    * numpy_tuned, the faster of two formulations: ``np.take(B, ids, out=)`` (or the one row),
+      the scale in place, ``np.matmul(g, A, out=)``, ``np.add(out=)`` ("scale in place"); or
+      the same on ``s B`` scaled once, without the multiply ("B scaled once");
+    * torch: ``index_select(out=)`` then ``out.addmm_(g, A, alpha=s)``; one row: ``out.addmv_(A^T,
+      B[r], alpha=s)`` with ``A^T`` a view or a contiguous copy made once, the faster kept."""
     lora, torch, rng = ctx.lora, ctx.torch, ctx.rng
     a, b = pair(rng, vocab, dim, rank)  # A [rank, dim], B [vocab, rank]: row t of s B A
     d = make_delta(lora, a, b, "float32", rank)
@@ -48,6 +51,7 @@ def build_gather(ctx, vocab, dim, rank, n):
         return np.zeros(oshape, np.float32)
 
     impls = {"ours": Impl(method, first, zeros())}
+    bs = b * np.float32(s)  # B scaled once
     if n == 1:
         def naive(o=zeros(), a=a, b=b, r=r, s=s):
             o += s * (b[r] @ a)
@@ -57,6 +61,10 @@ def build_gather(ctx, vocab, dim, rank, n):
         def tuned(o=zeros(), a=a, b=b, r=r, s=s, g=g, z=z):
             mul(b[r], s, out=g)
             mm(g, a, out=z)
+            add(o, z, out=o)
+
+        def prescaled(o=zeros(), a=a, bs=bs, r=r, z=z):
+            mm(bs[r], a, out=z)
             add(o, z, out=o)
     else:
         def naive(o=zeros(), a=a, b=b, ids=ids, s=s):
@@ -69,19 +77,26 @@ def build_gather(ctx, vocab, dim, rank, n):
             mul(g, s, out=g)
             mm(g, a, out=z)
             add(o, z, out=o)
+
+        def prescaled(o=zeros(), a=a, bs=bs, ids=ids, g=g, z=z, take=np.take):
+            take(bs, ids, axis=0, out=g)
+            mm(g, a, out=z)
+            add(o, z, out=o)
     impls["numpy_naive"] = Impl(naive)
-    impls["numpy_tuned"] = Impl(tuned)
+    impls.update(candidates("numpy_tuned", {"scale in place": Impl(tuned), "B scaled once": Impl(prescaled)}))
     if torch is not None:
         a_t, b_t = torch.from_numpy(a), torch.from_numpy(b)
         if n == 1:
-            def torch_fn(o=torch.from_numpy(zeros()), at=a_t.T, b=b_t, r=r, s=s):
+            def torch_fn(at, o=torch.from_numpy(zeros()), b=b_t, r=r, s=s):
                 o.addmv_(at, b[r], alpha=s)
+            impls.update(candidates("torch", {"A^T view": Impl(torch_fn, a_t.T),
+                                              "A^T copied": Impl(torch_fn, a_t.T.contiguous())}))
         else:
             def torch_fn(o=torch.from_numpy(zeros()), a=a_t, b=b_t, ids=torch.from_numpy(ids), s=s,
                          g=torch.empty(n, rank), sel=torch.index_select):
                 sel(b, 0, ids, out=g)
                 o.addmm_(g, a, alpha=s)
-        impls["torch"] = Impl(torch_fn)
+            impls["torch"] = Impl(torch_fn)
 
     def ours_once():
         o = zeros()

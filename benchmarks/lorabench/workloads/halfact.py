@@ -53,8 +53,10 @@ def build_halfact(ctx, batch, kind, rows=4096, cols=4096, rank=16):
     if torch is not None:
         bf = torch.bfloat16
         xt = torch.from_numpy(x32).to(bf)
-        impls["torch"] = torch_baseline(torch, [(a, b, s, xt, torch.zeros(oshape, dtype=bf))], bf)
-        impls["peft"] = torch_baseline(torch, [(a, b, s, xt, torch.zeros(oshape, dtype=bf))], torch.float32)
+        impls.update(torch_baseline(torch, [(a, b, s, xt, torch.zeros(oshape, dtype=bf))], bf))
+        # PEFT's upcast: its own formulation (F.linear on the factors as stored), not tuned
+        impls["peft"] = torch_baseline(torch, [(a, b, s, xt, torch.zeros(oshape, dtype=bf))], torch.float32,
+                                       "peft")["peft:views"]
 
     def ours_once():
         o = act_pair(torch, x32, oshape, "bfloat16", kind)[1]

@@ -31,11 +31,31 @@ def run_workload(wl, ctx, cfg, status, monitor=None):
         cfg = replace(cfg, **built.timing)
         res["timing"] = built.timing
     samples, res["others_cpu"] = measure(built.impls, cfg, status, wl.name, monitor)
-    res["impls"] = {name: {**summarize(v), "calls_per_sample": built.impls[name].k} for name, v in samples.items()}
-    for name, impl in built.impls.items():
+    impls = built.impls
+    res["impls"] = {name: {**summarize(v, impls[name].k, impls[name].best, impls[name].waited),
+                           "calls_per_sample": impls[name].k} for name, v in samples.items()}
+    for name, impl in impls.items():
         if impl.keep is not None:  # a read reference: record its size
             res["impls"][name]["bytes"] = impl.keep.nbytes
+    res["impls"], res["candidates"] = fold_candidates(res["impls"])
     return res
+
+
+def fold_candidates(impls):
+    """A baseline measured in several formulations (impls named ``"numpy_tuned:how"``, timed in
+    the same rounds) becomes one impl: the fastest formulation with a clean median (any, when
+    none is clean), its ``how`` recorded.  Returns (impls, {baseline: {how: median}})."""
+    out, cands = {}, {}
+    for name, r in impls.items():
+        base, sep, how = name.partition(":")
+        if not sep:
+            out[name] = r
+            continue
+        cands.setdefault(base, {})[how] = r
+    for base, ways in cands.items():
+        how = min(ways, key=lambda h: (not ways[h]["clean"], ways[h]["median_s"]))
+        out[base] = {**ways[how], "how": how}
+    return out, {base: {h: r["median_s"] for h, r in ways.items()} for base, ways in cands.items()}
 
 
 def analyse(wl, res, bw, peak, threads, caches, by_key):
@@ -66,14 +86,30 @@ def analyse(wl, res, bw, peak, threads, caches, by_key):
             bound, binds = res["flops"] / peak, "compute"
         res["roof_time_s"], res["roof_binds"] = bound, binds
         res["roof_pct"] = 100.0 * bound / t
-    sp = {}
+    sp, marks = {}, {}
+    ours = res["impls"]["ours"]
+
+    def ratio(key, r):
+        sp[key] = r["median_s"] / t
+        marks[key] = ratio_mark(r, ours)
+
     for name, r in res["impls"].items():
         if name != "ours" and not name.startswith("_"):
-            sp[name] = r["median_s"] / t
+            ratio(name, r)
     twin = by_key.get(wl.key) if wl.dtype != "float32" and wl.key else None
     if twin is not None and "impls" in twin.result:
         for name in ("numpy_naive", "numpy_tuned", "numpy_cat", "torch", "torch_cat"):
             if name in twin.result["impls"]:
-                sp[name + "_f32"] = twin.result["impls"][name]["median_s"] / t
-        sp["ours_f32"] = twin.result["impls"]["ours"]["median_s"] / t
+                ratio(name + "_f32", twin.result["impls"][name])
+        ratio("ours_f32", twin.result["impls"]["ours"])
     res["speedup"] = sp
+    res["ratio_marks"] = {k: v for k, v in marks.items() if v}
+
+
+def ratio_mark(other, ours):
+    """How far a ratio of two medians can be trusted: "ticks" when either side kept too few
+    samples that were not descheduled (no ratio: it would measure the scheduler), "~" when
+    descheduled samples were set apart on either side, "" when none was."""
+    if not (other.get("clean", True) and ours.get("clean", True)):
+        return "ticks"
+    return "~" if other.get("descheduled") or ours.get("descheduled") else ""

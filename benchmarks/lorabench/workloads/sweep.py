@@ -44,15 +44,16 @@ def size_sweep(llc_bytes, mem_available, forced=None, quick=False, rank=SWEEP_RA
     Its half-precision adapters (the smallest of its three rows) are at least twice the
     last-level cache, so a token finds none of them left in cache from the previous one; never
     fewer than the model's 32 layers.  Memory: the float32 row holds the source arrays, our
-    copies and a read buffer of the same size, and the DRAM bandwidth buffer is alive too: about
-    4x the float32 adapters, kept under half the available memory (a cap that is reported).
+    copies, a read buffer of the same size, and the baselines' factors transposed once (NumPy's
+    and torch's: three more), and the DRAM bandwidth buffer is alive too: about 7x the float32
+    adapters, kept under half the available memory (a cap that is reported).
     `quick` caps the float32 adapters at QUICK_SWEEP_F32_BYTES (on a large-cache machine the
     quick sweep then stays in cache, and its DRAM targets say so instead of judging it);
     `forced` (--sweep-layers) overrides the result.  Both are reported.
     """
     half, f32 = sweep_layer_bytes(rank, 2), sweep_layer_bytes(rank, 4)
     wanted = max(LLAMA2_7B_LAYERS, math.ceil(2 * llc_bytes / half))
-    caps = {"memory": int(mem_available / 2 // (4 * f32)) if mem_available else None,
+    caps = {"memory": int(mem_available / 2 // (7 * f32)) if mem_available else None,
             "--quick": QUICK_SWEEP_F32_BYTES // f32 if quick else None}
     caps = {k: v for k, v in caps.items() if v is not None and v < wanted}
     cap_by = min(caps, key=caps.get) if caps else None
@@ -107,12 +108,12 @@ def build_sweep(ctx, layers, rank, dtype):
     if dtype == "float32":
         o_n, o_t = outs(), outs()
         impls["numpy_naive"] = numpy_naive([(a, b, s, xs[cols], o_n[rows]) for rows, cols, a, b in pairs])
-        impls["numpy_tuned"] = numpy_tuned([(a, b, s, xs[cols], o_t[rows]) for rows, cols, a, b in pairs])
+        impls.update(numpy_tuned([(a, b, s, xs[cols], o_t[rows]) for rows, cols, a, b in pairs]))
     if torch is not None:
         xt = {c: torch.from_numpy(v) for c, v in xs.items()}
         ot = {r: torch.from_numpy(v) for r, v in outs().items()}
-        impls["torch"] = torch_baseline(torch, [(a, b, s, xt[cols], ot[rows]) for rows, cols, a, b in pairs],
-                                        torch_dtype(torch, dtype))
+        impls.update(torch_baseline(torch, [(a, b, s, xt[cols], ot[rows]) for rows, cols, a, b in pairs],
+                                    torch_dtype(torch, dtype)))
 
     def ours_once():  # the first layer's seven projections, into one concatenated output
         res = []
