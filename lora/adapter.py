@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import _dtypes as dtypes
+from . import _formats as formats
 from ._byvalue import ByValue
 from .delta import LoraDelta, peft_delta
 from .dora import DoraDelta
@@ -386,8 +386,8 @@ def storage_arg(dtype):
             name = np.dtype(dtype).name
         except TypeError:
             name = repr(dtype)
-    if name not in dtypes.NAMES:
-        raise ValueError(f"dtype must be None, {dtypes.QUOTED}, got {dtype!r}")
+    if name not in formats.NAMES:
+        raise ValueError(f"dtype must be None, {formats.QUOTED}, got {dtype!r}")
     return name
 
 

@@ -13,7 +13,7 @@ import operator
 import numpy as np
 
 from . import _arrays as arrays
-from . import _dtypes as dtypes
+from . import _formats as formats
 from . import _edge
 from ._apply import OP_BATCH, OP_ROW, OP_ROWS, OP_VEC, address, checked
 from ._byvalue import ByValue, same_slots
@@ -115,8 +115,9 @@ def check_bits(a_bits, b_bits, dtype, a_ndim=2):
     pickle is a ValueError, never a read past a buffer): NumPy arrays of ``dtype``'s bit width,
     ``a [..., rank, cols]`` and ``b [..., rows, rank]`` with every dimension at least 1; returns
     them C-contiguous."""
-    name = dtypes.storage_name(dtype)
-    bits = dtypes.BY_NAME[name].bits
+    name = formats.format_name(dtype)
+    fmt = formats.BY_NAME[name]
+    bits = fmt.bits()
     if (type(a_bits) is not np.ndarray or type(b_bits) is not np.ndarray
             or a_bits.dtype != bits or b_bits.dtype != bits or a_bits.ndim != a_ndim
             or b_bits.ndim != a_ndim or a_bits.shape[:-2] != b_bits.shape[:-2]
@@ -124,9 +125,8 @@ def check_bits(a_bits, b_bits, dtype, a_ndim=2):
         raise ValueError(f"not the stored factors of a {name} LoRA pair: "
                          f"{getattr(a_bits, 'shape', a_bits)!r} / "
                          f"{getattr(b_bits, 'shape', b_bits)!r}")
-    numpy = dtypes.BY_NAME[name].numpy
     for which, arr in (("A", a_bits), ("B", b_bits)):
-        if not np.isfinite(arr.view(numpy)).all():
+        if not np.isfinite(fmt.load(arr)).all():
             raise ValueError(f"not the stored factors of a {name} LoRA pair: {which} holds a "
                              f"non-finite value (a constructor refuses them)")
     return np.ascontiguousarray(a_bits), np.ascontiguousarray(b_bits)
@@ -207,8 +207,8 @@ class LoraDelta(ByValue):
         A is rows of ``[rank, lda]`` (``a_by_row``: A^T, rows of ``[cols, lda]``), B is B^T,
         rows of ``[rank, ldb]`` (``b_by_row``: B, rows of ``[rows, ldb]``).  ``keep`` is held
         so the memory outlives the delta; writes to it are seen by the next call."""
-        name = dtypes.storage_name(dtype)
-        ptr = lib.lora_delta_view(dtypes.CODES[name], rank, rows, cols, ffi.cast("void *", a[0]),
+        name = formats.format_name(dtype)
+        ptr = lib.lora_delta_view(formats.BY_NAME[name].code, rank, rows, cols, ffi.cast("void *", a[0]),
                                   a[1], int(a_by_row), ffi.cast("void *", b[0]), b[1],
                                   int(b_by_row))
         if ptr == ffi.NULL:
@@ -241,13 +241,13 @@ class LoraDelta(ByValue):
         """A delta owning a copy of stored bits ``a [rank, cols]``, ``b [rows, rank]``
         (package-internal: unpickling), checked first (`check_bits`)."""
         a_bits, b_bits = check_bits(a_bits, b_bits, dtype)
-        name = dtypes.storage_name(dtype)
+        name = formats.format_name(dtype)
         alpha = check_alpha(alpha, rslora)
         if not isinstance(scale, LoraScale):
             raise TypeError(f"scale must be a LoraScale; got {type(scale).__name__}")
         factor = check_alpha(factor, False)
         (rank, cols), rows = a_bits.shape, b_bits.shape[0]
-        code = dtypes.CODES[name]
+        code = formats.BY_NAME[name].code
         ptr = lib.lora_delta_new(code, code, rank, rows, cols, ffi.from_buffer(a_bits),
                                  ffi.from_buffer(b_bits))
         if ptr == ffi.NULL:
@@ -258,20 +258,20 @@ class LoraDelta(ByValue):
     def _parts(self):
         """By value (lora._byvalue): the stored bits, dtype, alpha, rsLoRA, factor, LoraScale."""
         a, b = self.lora_weights()
-        bits = dtypes.BY_NAME[self._dtype].bits
+        bits = formats.BY_NAME[self._dtype].bits()
         return _restore, (a.view(bits), b.view(bits), self._dtype, self._alpha, self._rslora,
                           self._alpha_factor, self._scale)
 
     _shallow = same_slots  # the same storage (never written after construction), same LoraScale
 
     def _init(self, a, b, rank, rows, cols, alpha, scale, rslora, dtype):
-        name = dtypes.storage_name(dtype)
+        name = formats.format_name(dtype)
         alpha = check_alpha(alpha, rslora)
         if not isinstance(scale, LoraScale):
             scale = LoraScale(scale)
-        a_bits = dtypes.to_storage(a, name, "lora_a")
-        b_bits = dtypes.to_storage(b, name, "lora_b")
-        code = dtypes.CODES[name]
+        fmt = formats.BY_NAME[name]
+        a_bits, b_bits = fmt.store(a, "lora_a"), fmt.store(b, "lora_b")
+        code = formats.BY_NAME[name].code
         ptr = lib.lora_delta_new(code, code, rank, rows, cols, ffi.from_buffer(a_bits),
                                  ffi.from_buffer(b_bits))
         if ptr == ffi.NULL:
@@ -301,7 +301,8 @@ class LoraDelta(ByValue):
     @property
     def resident_bytes(self):
         """rank * (rows + cols) * itemsize of the storage dtype (logical; padding not counted)."""
-        return self._rank * (self._rows + self._cols) * dtypes.ITEMSIZE[self._dtype]
+        fmt = formats.BY_NAME[self._dtype]
+        return self._rank * (fmt.nbytes(self._cols) + fmt.nbytes(self._rows))
 
     def __repr__(self):
         return (f"LoraDelta(rank={self._rank}, rows={self._rows}, cols={self._cols}, "
@@ -390,12 +391,12 @@ class LoraDelta(ByValue):
     # -------------------------------------------------------------- offline
     def lora_weights(self):
         """(lora_a [rank, cols], lora_b [rows, rank]) as stored, in the storage dtype (copies)."""
-        d = dtypes.BY_NAME[self._dtype]
-        a = np.empty((self._rank, self._cols), d.bits)
-        b = np.empty((self._rows, self._rank), d.bits)
+        fmt = formats.BY_NAME[self._dtype]
+        a = np.empty((self._rank, self._cols), fmt.bits())
+        b = np.empty((self._rows, self._rank), fmt.bits())
         lib.lora_delta_export(self._ptr, ffi.from_buffer(a, require_writable=True),
                               ffi.from_buffer(b, require_writable=True))
-        return a.view(d.numpy), b.view(d.numpy)
+        return fmt.load(a), fmt.load(b)
 
     def _delta64(self, s, rows=slice(None)):
         a, b = self.lora_weights()

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from . import _torch as torchs
-from . import _dtypes as dtypes
+from . import _formats as formats
 from ._byvalue import ByValue
 from ._entries import EntryTable, Member, entry_type
 from ._lora_cffi import ffi, lib
@@ -90,12 +90,12 @@ class LoraExperts(ByValue):
         if (a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[1] != b.shape[2]
                 or 0 in a.shape or 0 in b.shape):
             raise _pair_error(a, b)
-        name = dtypes.storage_name(dtype)
+        name = formats.format_name(dtype)
         alpha = check_alpha(alpha, rslora)
         if not isinstance(scale, LoraScale):
             scale = LoraScale(scale)
-        a_bits = dtypes.to_storage(a, name, "lora_a")
-        b_bits = dtypes.to_storage(b, name, "lora_b")
+        fmt = formats.BY_NAME[name]
+        a_bits, b_bits = fmt.store(a, "lora_a"), fmt.store(b, "lora_b")
         self._build(a_bits, b_bits, name, alpha, bool(rslora),
                     alpha_factor(alpha, a.shape[1], bool(rslora)), scale)
 
@@ -105,7 +105,7 @@ class LoraExperts(ByValue):
         if not isinstance(scale, LoraScale):
             raise TypeError(f"scale must be a LoraScale; got {type(scale).__name__}")
         self = cls.__new__(cls)
-        self._build(a_bits, b_bits, dtypes.storage_name(dtype), check_alpha(alpha, rslora),
+        self._build(a_bits, b_bits, formats.format_name(dtype), check_alpha(alpha, rslora),
                     bool(rslora), check_alpha(factor, False), scale)
         return self
 
@@ -131,7 +131,7 @@ class LoraExperts(ByValue):
         """Each expert's packed C storage from the stored bits [E, rank, cols] / [E, rows, rank]."""
         n, rank, cols = a_bits.shape
         rows = b_bits.shape[1]
-        code = dtypes.CODES[name]
+        code = formats.BY_NAME[name].code
         experts = []
         for e in range(n):
             ptr = lib.lora_delta_new(code, code, rank, rows, cols, ffi.from_buffer(a_bits[e]),
@@ -183,7 +183,8 @@ class LoraExperts(ByValue):
     @property
     def resident_bytes(self):
         """n_experts * rank * (rows + cols) * itemsize (logical; padding not counted)."""
-        return self._n * self._rank * (self._rows + self._cols) * dtypes.ITEMSIZE[self._dtype]
+        fmt = formats.BY_NAME[self._dtype]
+        return self._n * self._rank * (fmt.nbytes(self._cols) + fmt.nbytes(self._rows))
 
     def __repr__(self):
         return (f"LoraExperts(n_experts={self._n}, rank={self._rank}, rows={self._rows}, "
@@ -217,7 +218,7 @@ class LoraExperts(ByValue):
     def _parts(self):
         """By value (lora._byvalue): the stored bits, dtype, alpha, rsLoRA, factor, LoraScale."""
         a, b = self.lora_weights()
-        bits = dtypes.BY_NAME[self._dtype].bits
+        bits = formats.BY_NAME[self._dtype].bits()
         return _restore, (a.view(bits), b.view(bits), self._dtype, self._alpha, self._rslora,
                           self._alpha_factor, self._scale)
 
