@@ -1,9 +1,11 @@
-"""The entry table: the one C view of a list of entries that stacks, banks, adapter sets and
-`accelerate_peft` share, and the protocol through which an entry type joins it.
+"""The entry table: the one C view of a list of entries that deltas, stacks, banks, adapter sets,
+DoRA deltas, experts and `accelerate_peft` share, and the protocol through which an entry type
+joins it.
 
 An *entry* is what one adapter slot holds: a `LoraDelta`, a `LoraStack` (its members applied
-in order, in one fused pass), or None (nothing); later kinds join the same way.  The kernels
-see *kernel entries*: ranges of C deltas applied in order, each delta with its effective scale.
+in order, in one fused pass), a `DoraDelta`, `LoraExperts`, or None (nothing); later kinds join
+the same way.  The kernels see *kernel entries*: ranges of C deltas applied in order, each delta
+with its effective scale and its epilogue.
 
 The protocol an entry type implements (and registers with `entry_type`):
 
@@ -15,13 +17,16 @@ The protocol an entry type implements (and registers with `entry_type`):
   object, alpha factor, owner, per-member extra).  A delta or a stack gives one kernel entry;
   a kind that routes within an entry (experts: one kernel entry per expert) gives several, and
   its table is built with ``routed=True``, where ``starts[i]`` is entry i's first kernel entry
-  (``starts_c``: the same as a C array, what `lora.experts` passes to ``lora_apply_experts``);
+  (``starts_c``: the same as a C array, the routing of ``LORA_OP_EXPERTS``);
 - ``_watch(table)`` (optional): an entry that can change after a table holds it (a stack being
   appended to) keeps the tables and sets ``table.stale = True`` on each change.
 
-The table turns members into the C arrays once (rebuilt when stale) and reads the scales only
-when some `LoraScale` changed (`scales`).  Per-member extras (DoRA's row data) are kept in
-`members`, in kernel order, for a kind whose C call needs them; the plain calls ignore them.
+A member's ``extra`` is its epilogue (None: plain), the extension point of a LoRA variant: an
+object with ``_epilogue`` (its kind, lora.h's ``LORA_EPI_*``), ``_gathers`` (whether its data
+serves the gathers or the projections), ``_epi_check(gather)`` (TypeError for the other kind of
+call) and ``_epi_data(s)`` (its data for effective scale s, as a C float array: DoRA's row
+factor).  The table turns members into the C arrays once (rebuilt when stale) and reads the
+scales, making the epilogues' data with them, only when some `LoraScale` changed (`scales`).
 """
 
 from typing import NamedTuple
@@ -44,7 +49,6 @@ _ERR_ADAPTER = lib.LORA_ERR_ADAPTER
 _EPOCH = _scale_mod.epoch
 _edge_apply = _edge.apply
 _F32_OVERFLOW = _scale_mod.F32_OVERFLOW
-_ROW_FACTOR = lib.LORA_EPI_ROW_FACTOR
 _GATHER_OPS = (_apply.OP_ROW, _apply.OP_ROWS)
 
 
@@ -184,7 +188,7 @@ class EntryTable:
         self._epi = [q for q, m in enumerate(members) if m.extra is not None]
         self._epi_kinds = self._epi_op = None
         if self._epi:
-            self._epi_kinds = ffi.new("uint8_t[]", [_ROW_FACTOR if m.extra is not None else 0
+            self._epi_kinds = ffi.new("uint8_t[]", [m.extra._epilogue if m.extra is not None else 0
                                                     for m in members])
             gathers = {m.extra._gathers for m in members if m.extra is not None}
             # the op the members' epilogue data serves (-1: members for both, none served)
@@ -312,7 +316,7 @@ class EntryTable:
         table = ffi.new("float *[]", len(self.members))
         keep = []
         for q in self._epi:
-            keep.append(self.members[q].extra._factor_ptr(scales[q]))
+            keep.append(self.members[q].extra._epi_data(scales[q]))
             table[q] = keep[-1]
         return table, keep
 
@@ -336,7 +340,7 @@ class EntryTable:
                 if q in epi:
                     s = scales[q] * mul
                     if abs(s) < _F32_OVERFLOW:
-                        keep.append(members[q].extra._factor_ptr(s))
+                        keep.append(members[q].extra._epi_data(s))
                         table[i * nq + q] = keep[-1]
         return table, nq, keep
 

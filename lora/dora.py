@@ -205,6 +205,8 @@ class DoraDelta(ByValue):
         return hit
 
     # ------------------------------------------------------------ the epilogue (lora._entries)
+    _epilogue = lib.LORA_EPI_ROW_FACTOR  # what this member does after its term: a row factor
+
     @property
     def _gathers(self):
         """The op the row factors serve: the gathers (an embedding) or the projections."""
@@ -220,7 +222,7 @@ class DoraDelta(ByValue):
             raise TypeError("this DoraDelta adapts a Linear layer: use add_to / add_batch_to; "
                             "add_rows_to needs a DoraDelta made with embedding=True")
 
-    def _factor_ptr(self, s):
+    def _epi_data(self, s):
         """The row factor g for effective scale s as a C array (which keeps g alive): the
         data of this member's row-factor epilogue."""
         return self._factor(s)[2]
