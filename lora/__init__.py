@@ -12,18 +12,18 @@ machine uses.
 """
 
 from ._runtime import __version__, get_num_threads, kernel_info, set_num_threads
-from .accelerate import accelerate_peft
-from .adapter_set import AdapterSet
-from .bank import LoraBank
-from .delta import LoraDelta
-from .dora import DoraDelta
 from .errors import LoraFormatError, LoraShapeError
-from .experts import LoraExperts
-from .adapter import LoraAdapter
-from .gguf import load_gguf
-from .peft import load_peft
+from .kinds.adapter_set import AdapterSet
+from .kinds.bank import LoraBank
+from .kinds.delta import LoraDelta
+from .kinds.dora import DoraDelta
+from .kinds.experts import LoraExperts
+from .kinds.stack import LoraStack
+from .loaders.adapter import LoraAdapter
+from .loaders.gguf import load_gguf
+from .loaders.peft import load_peft
+from .peft_accel.accelerate import accelerate_peft
 from .scale import LoraScale
-from .stack import LoraStack
 
 __all__ = [
     "LoraScale",

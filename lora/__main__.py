@@ -47,7 +47,7 @@ def _info(out):
 
 def _inspect(args, out):
     import lora
-    from lora.gguf import is_gguf_file
+    from .loaders.gguf import is_gguf_file
 
     if not os.path.exists(args.path):
         raise FileNotFoundError(f"no such file or directory: {args.path}")

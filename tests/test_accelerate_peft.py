@@ -576,7 +576,7 @@ def test_the_short_path_bumps_the_version_counter_under_grad_mode():
 def _record_plan_runs(monkeypatch):
     """The answers of the short path's C entry (lora._edge.plan_run), as "output" (served in C),
     "none" (declined before the base call) or "tail" (base result handed to the Python tail)."""
-    from lora import _accel_lora
+    from lora.peft_accel import _accel_lora
 
     seen, real = [], _accel_lora._plan_run
 

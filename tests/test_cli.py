@@ -173,7 +173,7 @@ def test_import_and_info_load_no_file_format_library():
     code = ("import sys, lora, lora.__main__ as cli\n"
             "cli.main(['info'], out=open('/dev/null', 'w'))\n"
             "print([m for m in ('gguf', 'safetensors') if m in sys.modules])\n"
-            "print([n for n in ('lora.adapter', 'lora.peft', 'lora.gguf', 'lora.__main__')\n"
+            "print([n for n in ('lora.loaders.adapter', 'lora.loaders.peft', 'lora.loaders.gguf', 'lora.__main__')\n"
             "       if {'ml_dtypes', 'gguf', 'safetensors'} & set(vars(sys.modules[n]))])\n")
     res = _python("-c", code)
     assert res.returncode == 0, res.stderr

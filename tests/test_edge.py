@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import lora
-import lora.delta as delta_mod
+import lora.kinds.delta as delta_mod
 from lora import _apply, _edge
 from lora._lora_cffi import ffi, lib
 from conftest import assert_same_bits, make_delta
@@ -57,7 +57,7 @@ def _edge_call(d, op, x, out, scale=None):
 
 
 def _counting(monkeypatch, name="_edge_apply"):
-    """Wrap lora.delta's binding of the edge: the statuses it returned, in order."""
+    """Wrap lora.kinds.delta's binding of the edge: the statuses it returned, in order."""
     seen = []
     real = getattr(delta_mod, name)
 

@@ -23,7 +23,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 import lora
-import lora.adapter
+import lora.loaders.adapter
 from lora import LoraAdapter, LoraFormatError, LoraScale, LoraShapeError, load_gguf, load_peft
 
 import _adapter_files as af
@@ -293,7 +293,7 @@ def test_gguf_renamed_to_hf_is_the_peft_adapter(peft_adapter, gguf_ref):
             if perm is not None:
                 heads = N_HEAD if "attn_q" in tensor else N_HEAD_KV
                 np.testing.assert_array_equal(
-                    lora.adapter.llama_rope_permutation(len(perm), heads), perm)
+                    lora.loaders.adapter.llama_rope_permutation(len(perm), heads), perm)
                 np.testing.assert_array_equal(gg[tensor].lora_weights()[1],
                                               want.lora_weights()[1][perm])
     finally:
@@ -327,7 +327,7 @@ def test_renamed_keeps_half_precision_bits_rslora_and_alora(tmp_path, dtype):
     assert gg.invocation_tokens == (9, 8) and gg.dtype == dtype
     for (name, d), (module, src) in zip(gg.items(), adapter.items()):
         assert d.rslora and d.effective_scale == src.effective_scale
-        perm = lora.adapter.llama_rope_permutation(src.rows, 3 if "attn_q" in name else 1)
+        perm = lora.loaders.adapter.llama_rope_permutation(src.rows, 3 if "attn_q" in name else 1)
         (a, b), (sa, sb) = d.lora_weights(), src.lora_weights()
         np.testing.assert_array_equal(a.view(np.uint16), sa.view(np.uint16))   # A: never permuted
         np.testing.assert_array_equal(b.view(np.uint16), sb[perm].view(np.uint16))

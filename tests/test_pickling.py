@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import lora
-from lora.adapter_set import AdapterSet
+from lora.kinds.adapter_set import AdapterSet
 
 from conftest import DTYPES, assert_same_bits, make_delta, rand
 
@@ -48,7 +48,7 @@ def test_delta_round_trip_is_bit_exact(dtype):
 
 
 def test_peft_alpha_zero_rule_survives_a_pickle():
-    from lora.delta import peft_delta
+    from lora.kinds.delta import peft_delta
 
     rng = np.random.default_rng(1)
     d = peft_delta(rng.standard_normal((2, 3)), rng.standard_normal((4, 2)), alpha=0.0)
@@ -170,7 +170,7 @@ def test_adapter_set_round_trip_keeps_slots():
 
 
 def test_corrupt_pickled_factors_are_refused():
-    from lora.delta import LoraDelta, _restore
+    from lora.kinds.delta import LoraDelta, _restore
 
     rng = np.random.default_rng(7)
     d = make_delta(rng, 3, 4, 5)

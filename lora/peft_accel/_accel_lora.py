@@ -17,16 +17,16 @@ before the DoRA terms and put back after.
 
 import numpy as np
 
-from . import _arrays as arrays
-from . import _torch as torchs
-from . import _edge
-from . import _dtypes as dtypes
-from ._entries import EntryTable
+from .. import _arrays as arrays
+from .. import _torch as torchs
+from .. import _edge
+from .. import _dtypes as dtypes
+from .._entries import EntryTable
 from .accelerate import ServedLayer, hook_reason
-from .delta import LoraDelta
-from .dora import DoraDelta
-from .scale import F32_OVERFLOW, LoraScale
-from .stack import LoraStack
+from ..kinds.delta import LoraDelta
+from ..kinds.dora import DoraDelta
+from ..scale import F32_OVERFLOW, LoraScale
+from ..kinds.stack import LoraStack
 
 __all__ = ["Kind", "Layer", "Plan"]
 

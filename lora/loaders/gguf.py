@@ -11,7 +11,7 @@ import numpy as np
 
 from .adapter import (Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg,
                       storage_arg)
-from .errors import LoraFormatError
+from ..errors import LoraFormatError
 
 __all__ = ["load_gguf"]
 

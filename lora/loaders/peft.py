@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _dtypes as dtypes
+from .. import _dtypes as dtypes
 from . import _peft_experts as _experts
 from .adapter import (TOKEN_ID_MAX, Pair, build_adapter, check_finite, format_error, pair_storage,
                       scale_arg, storage_arg)

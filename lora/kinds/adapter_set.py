@@ -13,12 +13,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import _arrays as arrays
-from . import _status
-from ._byvalue import ByValue
+from .. import _arrays as arrays
+from .. import _status
+from .._byvalue import ByValue
 from .bank import need_ids
-from ._entries import EntryTable, entry_types, owners
-from .errors import LoraShapeError
+from .._entries import EntryTable, entry_types, owners
+from ..errors import LoraShapeError
 
 __all__ = ["AdapterSet"]
 

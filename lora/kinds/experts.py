@@ -17,16 +17,16 @@ import operator
 
 import numpy as np
 
-from . import _arrays as arrays
-from . import _torch as torchs
-from . import _formats as formats
-from ._byvalue import ByValue
-from ._entries import EntryTable, Member, entry_type
-from ._lora_cffi import ffi, lib
-from ._merge import finite_scale, merge_
+from .. import _arrays as arrays
+from .. import _torch as torchs
+from .. import _formats as formats
+from .._byvalue import ByValue
+from .._entries import EntryTable, Member, entry_type
+from .._lora_cffi import ffi, lib
+from .._merge import finite_scale, merge_
 from .delta import LoraDelta, alpha_factor, check_alpha, check_bits
-from .errors import LoraShapeError
-from .scale import LoraScale
+from ..errors import LoraShapeError
+from ..scale import LoraScale
 
 __all__ = ["LoraExperts"]
 

@@ -4,12 +4,12 @@ import weakref
 
 import numpy as np
 
-from . import _arrays as arrays
-from . import _torch as torchs
-from ._byvalue import ByValue
-from ._entries import EntryTable, entry_type, owners, stackable_types
-from ._merge import finite_scale, merge_, shapeless_w
-from .errors import LoraShapeError
+from .. import _arrays as arrays
+from .. import _torch as torchs
+from .._byvalue import ByValue
+from .._entries import EntryTable, entry_type, owners, stackable_types
+from .._merge import finite_scale, merge_, shapeless_w
+from ..errors import LoraShapeError
 
 __all__ = ["LoraStack"]
 

@@ -35,12 +35,12 @@ each sequence's adapter repeats over its positions.
 import functools
 import inspect
 
-from . import _dtypes as dtypes
-from ._entries import EntryTable
+from .. import _dtypes as dtypes
+from .._entries import EntryTable
 from .accelerate import ServedLayer, hook_reason
-from .delta import LoraDelta
-from .experts import LoraExperts
-from .scale import F32_OVERFLOW, LoraScale
+from ..kinds.delta import LoraDelta
+from ..kinds.experts import LoraExperts
+from ..scale import F32_OVERFLOW, LoraScale
 
 __all__ = ["Kind", "Layer"]
 

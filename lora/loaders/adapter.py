@@ -18,13 +18,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import _formats as formats
-from ._byvalue import ByValue
-from .delta import LoraDelta, peft_delta
-from .dora import DoraDelta
-from .experts import LoraExperts
-from .errors import LoraFormatError, LoraShapeError
-from .scale import F32_OVERFLOW, LoraScale
+from .. import _formats as formats
+from .._byvalue import ByValue
+from ..kinds.delta import LoraDelta, peft_delta
+from ..kinds.dora import DoraDelta
+from ..kinds.experts import LoraExperts
+from ..errors import LoraFormatError, LoraShapeError
+from ..scale import F32_OVERFLOW, LoraScale
 
 __all__ = ["LoraAdapter"]
 

@@ -17,17 +17,17 @@ import math
 
 import numpy as np
 
-from . import _arrays as arrays
-from . import _status
-from . import _torch as torchs
-from . import _dtypes as dtypes
-from ._byvalue import ByValue
-from ._entries import EntryTable, Member, entry_type
-from ._lora_cffi import ffi, lib
-from ._merge import _w_array, finite_scale
+from .. import _arrays as arrays
+from .. import _status
+from .. import _torch as torchs
+from .. import _dtypes as dtypes
+from .._byvalue import ByValue
+from .._entries import EntryTable, Member, entry_type
+from .._lora_cffi import ffi, lib
+from .._merge import _w_array, finite_scale
 from .delta import LoraDelta
-from .errors import LoraShapeError
-from .scale import F32_OVERFLOW as _F32_OVERFLOW
+from ..errors import LoraShapeError
+from ..scale import F32_OVERFLOW as _F32_OVERFLOW
 
 __all__ = ["DoraDelta"]
 

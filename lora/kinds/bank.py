@@ -1,7 +1,7 @@
 """`LoraBank`: a different adapter for every position of one batch (BGMV/SGMV on the CPU)."""
 
-from ._byvalue import ByValue
-from ._entries import EntryTable
+from .._byvalue import ByValue
+from .._entries import EntryTable
 
 __all__ = ["LoraBank"]
 

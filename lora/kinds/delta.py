@@ -12,16 +12,16 @@ import operator
 
 import numpy as np
 
-from . import _arrays as arrays
-from . import _formats as formats
-from . import _edge
-from ._apply import OP_BATCH, OP_ROW, OP_ROWS, OP_VEC, address, checked
-from ._byvalue import ByValue, same_slots
-from ._entries import Member, entry_type
-from ._lora_cffi import ffi, lib
-from ._merge import finite_scale, merge_
-from .errors import LoraShapeError
-from .scale import LoraScale
+from .. import _arrays as arrays
+from .. import _formats as formats
+from .. import _edge
+from .._apply import OP_BATCH, OP_ROW, OP_ROWS, OP_VEC, address, checked
+from .._byvalue import ByValue, same_slots
+from .._entries import Member, entry_type
+from .._lora_cffi import ffi, lib
+from .._merge import finite_scale, merge_
+from ..errors import LoraShapeError
+from ..scale import LoraScale
 
 __all__ = ["LoraDelta"]
 
