@@ -37,7 +37,7 @@ import inspect
 
 from . import _dtypes as dtypes
 from ._entries import EntryTable
-from .accelerate import ServedLayer, hook_reason
+from .accelerate import ServedLayer, hook_reason, version
 from .delta import LoraDelta
 from .experts import LoraExperts, apply_experts
 from .scale import F32_OVERFLOW, LoraScale
@@ -177,7 +177,7 @@ class _Level:
         if got is None:
             got = self.adapters[a] = _Adapter()
         a_key = (ta.data_ptr(), ta.dtype, tuple(ta.shape), ta.stride())
-        b_key = (tb.data_ptr(), _version(tb), _SWAPS[0], tb.dtype, tuple(tb.shape), tb.stride())
+        b_key = (tb.data_ptr(), version(tb), _SWAPS[0], tb.dtype, tuple(tb.shape), tb.stride())
         if got.a_key == a_key and got.b_key == b_key:
             return got.experts
         name = dtypes.NAME_OF.get(dtypes.torch_codes().get(ta.dtype))
@@ -477,16 +477,6 @@ class Layer(ServedLayer):
             return
         table, seq = terms
         apply_experts(table, x, out, ids_g, seq.index_select(0, seq_g))
-
-
-def _version(t):
-    """The tensor's version counter; None for an inference tensor (made under
-    ``torch.inference_mode()``), which keeps none: its in-place changes need ``refresh()``, as
-    ``.data`` writes do."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def _grouped_ok(x, wt):

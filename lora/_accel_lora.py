@@ -23,7 +23,7 @@ from . import _dtypes as dtypes
 from ._dispatch import address
 from ._entries import EntryTable
 from ._lora_cffi import ffi, lib
-from .accelerate import ServedLayer, hook_reason
+from .accelerate import ServedLayer, hook_reason, version
 from .delta import LoraDelta
 from .dora import DoraDelta
 from .scale import F32_OVERFLOW, LoraScale
@@ -211,7 +211,7 @@ class Layer(ServedLayer):
         m = self.module
         w = m.get_base_layer().weight
         mag = m.lora_magnitude_vector[a].weight
-        key = (id(view),) + tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype)
+        key = (id(view),) + tuple((t.data_ptr(), version(t), tuple(t.shape), t.stride(), t.dtype)
                                   for t in (w, mag, ta, tb))
         got = self.doras.get(a)
         if got is not None and got[0] == key:
@@ -766,7 +766,7 @@ class Plan:
                 mag = m.lora_magnitude_vector[a]
                 ts = (weight, mag._parameters["weight"], pa, pb)
                 watch.append((a, mag, type(mag), ts,
-                              tuple((t.data_ptr(), t._version) for t in ts)))
+                              tuple((t.data_ptr(), version(t)) for t in ts)))
         self.dora = tuple(watch)
         self.ndim = ndim
         self.hooks = layer.acc._module_globals
@@ -842,7 +842,7 @@ class Plan:
                         or ts[0] is not weight
                         or mag._parameters.get("weight") is not ts[1]
                         or mag._forward_hooks or mag._forward_pre_hooks
-                        or any((t.data_ptr(), t._version) != v for t, v in zip(ts, seen))):
+                        or any((t.data_ptr(), version(t)) != v for t, v in zip(ts, seen))):
                     return None
                 if self.grad_enabled() and ts[1].requires_grad:
                     return None

@@ -181,9 +181,11 @@ class PeftAcceleration:
         them again.  Needed only after a raw ``.data`` write to a MoE experts' ``lora_B`` (its
         repacked copy is keyed on the version counter and the data pointer, which such a write
         moves neither of; PEFT's hotswap is seen without it), or to a DoRA layer's base weight,
-        ``lora_A`` / ``lora_B`` or magnitude (its statistics are keyed the same way).  Other
-        changes made through the parameters (in place, through ``.data``, or by replacing them)
-        are seen at the next call anyway."""
+        ``lora_A`` / ``lora_B`` or magnitude (its statistics are keyed the same way), and after
+        an in-place write to such a tensor when it is an inference tensor (made under
+        ``torch.inference_mode()``: it has no version counter).  Other changes made through the
+        parameters (in place, through ``.data``, or by replacing them) are seen at the next call
+        anyway."""
         for layer in self._layers.values():
             layer.refresh()
 
@@ -270,6 +272,16 @@ def hook_reason(acc, module, parts, names):
                 return (f"{part}[{a!r}] has forward hooks (PEFT's forward runs while they are "
                         f"registered)")
     return None
+
+
+def version(t):
+    """What the derived data kept of tensor ``t`` is keyed on besides its data pointer: its
+    version counter, which in-place changes through the tensor move; None for an inference
+    tensor (made under ``torch.inference_mode()``), which has none.  An inference tensor can be
+    changed in place only inside inference mode, and nothing counts such a change: like a raw
+    ``.data`` write, it is seen after ``acc.refresh()`` (a new tensor in its place -- a new
+    adapter, a merge, ``.data = t`` -- moves the data pointer, and is seen at the next call)."""
+    return None if t.is_inference() else t._version
 
 
 class ServedLayer:
