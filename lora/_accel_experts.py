@@ -37,6 +37,7 @@ import inspect
 
 from . import _dtypes as dtypes
 from ._entries import EntryTable
+from ._torch_ops import compiling as _compiling, eager as _eager
 from .accelerate import ServedLayer, hook_reason, version
 from .delta import LoraDelta
 from .experts import LoraExperts, apply_experts
@@ -298,6 +299,11 @@ class Layer(ServedLayer):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x, *args, **kwargs):
+        if _compiling():  # torch.compile traces this call: the experts forward is not traceable
+            return _eager(self._forward, x, *args, **kwargs)  # (cffi calls): one graph break
+        return self._forward(x, *args, **kwargs)
+
+    def _forward(self, x, *args, **kwargs):
         acc = self.acc
         adapter_names = kwargs.get("adapter_names")
         why = self.why

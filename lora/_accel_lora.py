@@ -23,6 +23,7 @@ from . import _dtypes as dtypes
 from ._dispatch import address
 from ._entries import EntryTable
 from ._lora_cffi import ffi, lib
+from ._torch_ops import compiling as _compiling, eager as _eager, term as _op
 from .accelerate import ServedLayer, hook_reason, version
 from .delta import LoraDelta
 from .dora import DoraDelta
@@ -361,6 +362,8 @@ class Layer(ServedLayer):
         return None
 
     def forward(self, x, *args, **kwargs):
+        if _compiling():  # torch.compile is tracing this call
+            return self._traced(x, *args, **kwargs)
         if not args:
             if not kwargs:
                 plan = self.plan
@@ -383,25 +386,89 @@ class Layer(ServedLayer):
                         self.mixed.pop(key, None)  # another thread may have dropped it
         return self._forward(x, *args, **kwargs)
 
-    def _forward(self, x, *args, **kwargs):
-        """PEFT's forward logic with the LoRA term from the kernels; leaves a `Plan` behind for
-        the common case (plain active adapters, nothing in kwargs) so the next call is short."""
+    def _traced(self, x, *args, **kwargs):
+        """The forward as ``torch.compile`` traces it: the base layer, then the LoRA term as one
+        call of the custom op (`lora._torch_ops`), which runs `term_into` with the kernels when
+        the compiled graph runs.  A call with other arguments (aLoRA offsets, extra base-layer
+        arguments), with adapters disabled, or on an input the op does not take goes to the
+        eager forward (one graph break); under autograd, to PEFT's own forward, traced as
+        PEFT's."""
         m = self.module
-        acc = self.acc
-        if not acc._active:  # pragma: no cover - restore() removed the patch
+        torch = self.acc._torch
+        names = kwargs.get("adapter_names")
+        if torch.is_grad_enabled() and (
+                getattr(x, "requires_grad", False)
+                or any(p.requires_grad for p in m.parameters())):
+            self.acc._status[self.name] = "autograd is recording (compiled: PEFT's forward)"
             return self.original(x, *args, **kwargs)
-        adapter_names = kwargs.get("adapter_names")
-        if adapter_names is None:  # a mixed call leaves the active adapters' plan alone
-            self.plan = None
+        if (self.acc._active and not args and len(kwargs) == (names is not None)
+                and (names is None or (isinstance(names, (list, tuple))
+                                       and all(isinstance(a, str) for a in names)))
+                and isinstance(x, torch.Tensor) and x.is_cpu
+                and x.dim() >= (2 if self.linear else 1) and not m.disable_adapters):
+            result = m.base_layer(x)
+            if result is x and names is None:  # PEFT's result + term leaves x as it was (a
+                result = result.clone()         # mixed batch adds in place, into x too)
+            _op(x, result, id(m), list(names) if names is not None else None)
+            return result
+        return _eager(self._forward, x, *args, **kwargs)
+
+    def term_into(self, x, out, adapter_names):
+        """Add this call's LoRA term into ``out``, the base layer's output for ``x``, in place:
+        the eager forward's steps after its base call (the kernels, or PEFT's own sum where the
+        kernels do not serve the call, with ``.skipped`` saying why).  The custom op's CPU
+        implementation: what a compiled graph runs."""
+        m = self.module
+        if adapter_names is not None:
+            self._check_args(x, (), {"adapter_names": adapter_names}, adapter_names)
+        if m.disable_adapters or (m.merged and adapter_names is None):
+            self.acc._status[self.name] = None  # the base layer's output is the whole result
+            return
+        if self.acc._active:
+            names, why = self._prepare(x, adapter_names)
+        else:  # restore() ran after the graph was traced: PEFT's own sum
+            names, why = self._names(adapter_names), "restored"
+        if why is None and names and not self.takes(x, out, names):
+            why = "the base layer's output is not one the kernels add into"
+        if why is not None:
+            if adapter_names is not None:
+                got = self.peft_mixed_tail(x, out, adapter_names, None, {})
+            else:
+                got = self.peft_tail(x, out, names, None, {})
+            if self.acc._active:
+                self.skip(why)
+            if got is not out:
+                out.copy_(got)
+            return
+        if names:
+            fresh = _writable(out, x, m.base_layer, self.acc._module_globals)
+            if adapter_names is not None:
+                self._mixed(x, fresh, adapter_names, names, None)
+            else:
+                self._active(x, fresh, names, None)
+            if fresh is not out:
+                out.copy_(fresh)
+        self.acc._status[self.name] = None
+
+    def _names(self, adapter_names):
+        """The adapters of this call that the layer holds, in PEFT's order: the active ones, or
+        those `adapter_names` names (a mixed batch)."""
+        m = self.module
+        keys = m.lora_A if self.linear else m.lora_embedding_A
+        if adapter_names is not None:
+            return [a for a in dict.fromkeys(adapter_names) if a != "__base__" and a in keys]
+        return [a for a in m.active_adapters if a in keys]
+
+    def _prepare(self, x, adapter_names):
+        """(the adapters of this call, in PEFT's order; why PEFT must compute it, or None), with
+        each adapter's view (and DoRA statistics) made current and its scale set."""
+        m = self.module
         keys = m.lora_A if self.linear else m.lora_embedding_A
         if len(self.views) > len(keys):  # deleted adapters: let their memory go
             for a in [a for a in self.views if a not in keys]:
                 del self.views[a]
             self.tables.clear()
-        if adapter_names is not None:
-            names = [a for a in dict.fromkeys(adapter_names) if a != "__base__" and a in keys]
-        else:
-            names = [a for a in m.active_adapters if a in keys]
+        names = self._names(adapter_names)
         why = self.reason(x, names) if not m.disable_adapters else None
         if why is None and names:
             views = [self.view(a) for a in names]
@@ -413,6 +480,19 @@ class Layer(ServedLayer):
                         why = f"adapter {a!r} scaling {scale!r} is not finite in float32"
                         break
                     v.scale.set(scale)
+        return names, why
+
+    def _forward(self, x, *args, **kwargs):
+        """PEFT's forward logic with the LoRA term from the kernels; leaves a `Plan` behind for
+        the common case (plain active adapters, nothing in kwargs) so the next call is short."""
+        m = self.module
+        acc = self.acc
+        if not acc._active:  # pragma: no cover - restore() removed the patch
+            return self.original(x, *args, **kwargs)
+        adapter_names = kwargs.get("adapter_names")
+        if adapter_names is None:  # a mixed call leaves the active adapters' plan alone
+            self.plan = None
+        names, why = self._prepare(x, adapter_names)
         result_dtype_ok = True
         if why is not None:
             self.skip(why)

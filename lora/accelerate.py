@@ -108,7 +108,9 @@ def accelerate_peft(model):
     ``disable_adapter``, merges, ``scaling`` changes and weight changes are read at every call.
 
     The LoRA term is computed in float32 from PEFT's tensors as they are stored (read in place, no
-    copies) and rounded once into the layer's output dtype.  ``TypeError`` for something that is
+    copies) and rounded once into the layer's output dtype.  ``torch.compile`` of the model
+    keeps the kernels: a served layer traces as its base layer and one call of the custom op
+    ``lora_kernels::peft_lora_term`` (MoE experts and aLoRA calls: one graph break each).  ``TypeError`` for something that is
     not a ``torch.nn.Module``; ``ValueError`` for a model without any PEFT LoRA ``Linear`` /
     ``Embedding`` layer, or one already accelerated (``restore()`` it first).
     """
@@ -142,9 +144,9 @@ class PeftAcceleration:
         self._covered = weakref.WeakSet()  # inner modules a served layer answers for
         self._status = {}  # module name -> None (accelerated) or the reason it is skipped
         self._active = True
-        self._fingerprint = object()
+        self._fingerprint = None  # what the last scan saw: the adapters and the layers served
         self._hooks = []
-        self._scan(model)
+        self._rescan(model)
         if not self._layers:
             self._active = False
             raise ValueError("accelerate_peft: the model has no PEFT LoRA Linear or Embedding "
@@ -224,9 +226,18 @@ class PeftAcceleration:
         config = getattr(model, "peft_config", None)
         fingerprint = (tuple(config), len(self._layers)) if isinstance(config, dict) else None
         if fingerprint is None or fingerprint != self._fingerprint:
-            self._scan(model)
-            self._fingerprint = (tuple(config), len(self._layers)) if isinstance(config, dict) \
-                else None
+            from ._torch_ops import compiling, eager
+
+            # under torch.compile, the scan (which patches modules) runs in Python, outside
+            # the graph; the check above is traced, so a model whose adapters did not change
+            # has no graph break here
+            (eager if compiling() else _call)(self._rescan, model)
+
+    def _rescan(self, model):
+        self._scan(model)
+        config = getattr(model, "peft_config", None)
+        self._fingerprint = (tuple(config), len(self._layers)) if isinstance(config, dict) \
+            else None
 
     def _scan(self, model):
         for name, module in model.named_modules():
@@ -243,6 +254,10 @@ class PeftAcceleration:
                                       f"Embedding layer")
             elif isinstance(module, self._tuner_layer_type) and name not in self._status:
                 self._status[name] = f"{type(module).__name__} is not a LoRA layer"
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 def _layer_kinds(acc):
