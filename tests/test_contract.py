@@ -399,6 +399,27 @@ def test_shape_error_names_both_shapes_and_the_base():
     assert "(4, 53, 1)" in str(info.value) and "2-D" in str(info.value)
 
 
+@pytest.mark.parametrize("a_shape, b_shape, hint", [
+    ((48,), (8, 4), "LoraDelta.from_flat"),                   # a flat lora_a
+    ((4, 48), (32,), "LoraDelta.from_flat"),                  # a flat lora_b
+    ((2, 4, 48), (8, 4), "lora.LoraExperts"),                  # a 3-D lora_a: experts
+    ((2, 4, 48), (2, 8, 4), "lora.LoraExperts"),               # a 3-D pair
+])
+def test_factors_that_are_not_2d_say_so_first(a_shape, b_shape, hint):
+    """The message opens with the rule broken (both factors 2-D), names each wrong factor's
+    shape, and points at the constructor that takes such factors; no base at rank 0 is
+    invented from them."""
+    with pytest.raises(lora.LoraShapeError) as info:
+        lora.LoraDelta(np.ones(a_shape, np.float32), np.ones(b_shape, np.float32))
+    msg = str(info.value)
+    assert msg.startswith("lora_a and lora_b must be 2-D, lora_a [rank, cols] and lora_b "
+                          "[rows, rank]; "), msg
+    for name, shape in (("lora_a", a_shape), ("lora_b", b_shape)):
+        assert (f"{name} has shape {shape}" in msg) == (len(shape) != 2), msg
+    assert hint in msg and "rank 0" not in msg
+    assert (info.value.a_len, info.value.b_len) == (int(np.prod(a_shape)), int(np.prod(b_shape)))
+
+
 def test_shape_error_two_d_constructor():
     with pytest.raises(lora.LoraShapeError) as info:
         lora.LoraDelta(np.zeros((2, 4)), np.zeros((3, 3)))
