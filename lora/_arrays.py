@@ -360,16 +360,37 @@ def _check_shape(got, want, what, lead_of):
         raise ValueError(f"{what} must have shape {want} = [cols]; got {tuple(got)}")
 
 
-def as_ids(ids, what, shape=None, *, any_shape=False):
+_ID_NOUNS = {"ids": "token id", "adapter_ids": "adapter id", "expert_ids": "expert id"}
+
+
+def id_error(what, value, position, bound=None):
+    """The IndexError for an id out of range, in one wording per kind of id (`what`: "ids",
+    "adapter_ids" or "expert_ids"), naming the valid range when `bound` (the number of rows,
+    entries or experts) is known."""
+    noun = _ID_NOUNS.get(what, f"{what}: id")
+    if bound is None:
+        valid = ""
+    elif what == "ids":
+        valid = f" [0, {bound})"
+    elif what == "adapter_ids":
+        valid = ": valid ids are -1 (no adapter)" + (f" and 0..{bound - 1}" if bound else
+                                                     ", the bank has no entries")
+    else:
+        valid = f": valid ids are -1 (no expert) and 0..{bound - 1}"
+    return IndexError(f"{noun} {value} at position {position} is out of range{valid}")
+
+
+def as_ids(ids, what, shape=None, *, any_shape=False, bound=None):
     """An int64 C-contiguous copy (or view) of integer ids; TypeError for bool/float ids.
 
     `shape`: the shape the ids must have (ValueError otherwise); `any_shape`: keep the ids'
-    own shape (else they must be 1-D)."""
+    own shape (else they must be 1-D).  An id past int64 (a uint64 or a Python int) is an
+    IndexError naming the valid range when `bound` is given (see `id_error`)."""
     if isinstance(ids, (list, tuple)) and ids and all(
             isinstance(v, int) and not isinstance(v, bool) for v in ids):
         big = [i for i, v in enumerate(ids) if not -2**63 <= v <= I64_MAX]
         if big:  # NumPy would make these an object or float array
-            raise IndexError(f"{what}: id {ids[big[0]]} at position {big[0]} is out of range")
+            raise id_error(what, ids[big[0]], big[0], bound)
     if is_tensor(ids):
         check_tensor_place(ids, what)
         ids = ids.detach().resolve_neg()
@@ -387,8 +408,8 @@ def as_ids(ids, what, shape=None, *, any_shape=False):
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size:
         big = np.flatnonzero(arr.reshape(-1) > np.uint64(I64_MAX))
         if big.size:
-            raise IndexError(f"{what}: id {int(arr.reshape(-1)[big[0]])} at position "
-                             f"{int(big[0])} is out of range")
+            raise id_error(what, int(arr.reshape(-1)[big[0]]), position_of(arr, int(big[0])),
+                           bound)
     if arr.dtype != I64 or not arr.flags.c_contiguous or not arr.flags.aligned:
         arr = np.array(arr, dtype=I64, order="C", copy=True)
     return arr
@@ -453,15 +474,10 @@ def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=Non
     if status == lib.LORA_ERR_OVERLAP:
         raise ValueError("x and out overlap in memory; out must not alias x")
     if status == lib.LORA_ERR_INDEX:
-        flat = ids.reshape(-1)
-        raise IndexError(f"token id {int(flat[pos])} at position {position_of(ids, pos)} is out of "
-                         f"range [0, {rows})")
+        raise id_error("ids", int(ids.reshape(-1)[pos]), position_of(ids, pos), rows)
     if status == lib.LORA_ERR_ADAPTER:
-        flat = adapter_ids.reshape(-1)
-        valid = "-1 (no adapter)" + (f" and 0..{n_entries - 1}" if n_entries else
-                                     ", the bank has no entries")
-        raise IndexError(f"adapter id {int(flat[pos])} at position {position_of(adapter_ids, pos)} is "
-                         f"out of range: valid ids are {valid}")
+        raise id_error("adapter_ids", int(adapter_ids.reshape(-1)[pos]),
+                       position_of(adapter_ids, pos), n_entries or 0)
     if status == lib.LORA_ERR_SCALE:
         if pos >= 0 and scales is not None:
             raise ValueError(f"scales[{position_of(scales, pos)}] = "

@@ -186,14 +186,15 @@ def batch_args(x, out, cols, rows, xdrop=0):
     return keep, xp, xc, ldx, op, oc, ldo, n, lead
 
 
-def rows_args(ids, out, cols):
-    """Checks for the gathers: ids of any shape (at least 1-D), out [*ids.shape, cols].  Returns
-    (int64 ids, out ptr, out code, ldo, positions)."""
+def rows_args(ids, out, cols, rows=None):
+    """Checks for the gathers: ids of any shape (at least 1-D), out [*ids.shape, cols]; `rows`
+    (the vocabulary) names the valid range of an id past int64.  Returns (int64 ids, out ptr,
+    out code, ldo, positions)."""
     if not (isinstance(out, ndarray) or arrays.is_tensor(out)):
         arrays.check_out(out, None, shown=f"(n, {cols})")  # always raises: not an array
     if arrays.is_tensor(out):
         arrays.check_tensor_place(out, "out")  # device, layout, nested: before any shape is read
-    tok = arrays.as_ids(ids, "ids", any_shape=True)
+    tok = arrays.as_ids(ids, "ids", any_shape=True, bound=rows)
     if tok.ndim == 0:
         raise ValueError("ids must have at least one axis (a 0-d id is add_row_to's); got a "
                          "0-d array")

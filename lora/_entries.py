@@ -426,7 +426,7 @@ class EntryTable:
         if shape is None:
             return self._shapeless_rows(tok_ids, out, adapter_ids, scales)
         rows, cols = shape
-        tok, op, oc, ldo, n = dispatch.rows_args(tok_ids, out, cols)
+        tok, op, oc, ldo, n = dispatch.rows_args(tok_ids, out, cols, rows)
         ids, idp, pos, posp, every = self._ids(adapter_ids, scales, tok.shape)
         if n:
             bad = ffi.new("int64_t *")
@@ -442,7 +442,8 @@ class EntryTable:
         `lead`; ids and scales of the leading shape or a prefix of it."""
         if adapter_ids is None:
             return None, NULL, None, NULL, 1
-        ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
+        ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True,
+                            bound=len(self._entries))
         if len(lead) == 1 and ids.ndim == 1 and ids.shape[0] != lead[0]:
             raise ValueError(f"adapter_ids has {ids.shape[0]} ids; out has {lead[0]} positions")
         return with_scales(ids, scales, arrays.per_id_shape(ids, lead, "adapter_ids"))

@@ -324,7 +324,7 @@ def _shown(shape):
 def _no_free_slot(snap, adapter_ids):
     """A free slot used as an id is an IndexError naming it (checked only while a set has
     holes: the common case costs nothing)."""
-    ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
+    ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True, bound=snap.free.size)
     flat = ids.reshape(-1)
     inside = (flat >= 0) & (flat < snap.free.size)
     hit = np.flatnonzero(inside & snap.free[np.where(inside, flat, 0)])

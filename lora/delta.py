@@ -392,7 +392,7 @@ class LoraDelta(ByValue):
         ``[*ids.shape, cols]``, float32/float16/bfloat16, C-contiguous or row-strided.  Each
         row is bit-identical to ``add_row_to``.
         """
-        tok, op, oc, ldo, n = rows_args(ids, out, self._cols)
+        tok, op, oc, ldo, n = rows_args(ids, out, self._cols, self._rows)
         if n:
             bad = ffi.new("int64_t *")
             # the C call checks every id before its first write, also at scale 0

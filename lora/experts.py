@@ -350,7 +350,7 @@ def apply_experts(table, x, out, expert_ids, adapter_ids=None, scales=None):
     if scales is None and table._expert_shape is not None and \
             _fast(table, x, out, expert_ids, adapter_ids) == 0:
         return out
-    ids, idp = _expert_ids(expert_ids)
+    ids, idp = _expert_ids(expert_ids, table._expert_shape)
     ishape = tuple(ids.shape)
     if not ishape:
         raise ValueError("expert_ids must have at least one axis ([..., k]); got a 0-d id")
@@ -378,7 +378,7 @@ def apply_experts(table, x, out, expert_ids, adapter_ids=None, scales=None):
                          f"for expert_ids of shape {ishape}; got {tuple(out.shape)}")
     aids, aidp, pos, posp, every = None, NULL, None, NULL, 1
     if adapter_ids is not None:
-        aids, aidp, pos, posp, every = _bank_ids(adapter_ids, scales, ishape)
+        aids, aidp, pos, posp, every = _bank_ids(adapter_ids, scales, ishape, table.n_entries)
     if eshape is None:  # no entry holds experts: check what can be checked, add nothing
         return _shapeless(table, x, out, ids, aids, pos)
     extra = (table, ids, idp, ishape[-1] if xdrop else 1, aids, aidp, pos, posp, every)
@@ -468,7 +468,7 @@ def _fast(table, x, out, expert_ids, adapter_ids):
                   xc, cols, op, oc, rows, NULL)
 
 
-def _expert_ids(expert_ids):
+def _expert_ids(expert_ids, expert_shape=None):
     """(ids, C pointer): an int64 CPU tensor that is contiguous is read in place, anything else
     becomes an int64 C-contiguous NumPy array (bool and float ids: TypeError)."""
     if arrays.is_tensor(expert_ids):
@@ -477,14 +477,15 @@ def _expert_ids(expert_ids):
         if (expert_ids.dtype == torch.int64 and expert_ids.is_contiguous()
                 and not expert_ids.is_neg()):
             return expert_ids, _cast(_INT64P, expert_ids.data_ptr())
-    ids = arrays.as_ids(expert_ids, "expert_ids", any_shape=True)
+    ids = arrays.as_ids(expert_ids, "expert_ids", any_shape=True,
+                        bound=expert_shape[0] if expert_shape is not None else None)
     return ids, from_buffer(INT64S, ids)
 
 
-def _bank_ids(adapter_ids, scales, ishape):
+def _bank_ids(adapter_ids, scales, ishape, n_entries):
     """A bank's adapter ids (and scales): per token (``ishape[:-1]`` or a prefix of it) or per
     slot (``ishape``).  Returns (ids, ptr, scales, ptr, slots per id)."""
-    ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
+    ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True, bound=n_entries)
     if ids.ndim == 0 and len(ishape) == 1:  # one token's k slots
         return with_scales(ids, scales, ishape[0])
     return with_scales(ids, scales, arrays.per_id_shape(ids, ishape, "adapter_ids"))

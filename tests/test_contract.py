@@ -244,7 +244,13 @@ def test_token_id_out_of_range(target):
             rejects(IndexError, [str(bad), f"position {pos}"], lambda: call(bad_ids, out), out)
         big = np.array(ids, np.uint64)
         big[2] = 2**64 - 1
-        rejects(IndexError, [str(2**64 - 1), "position 2"], lambda: call(big, out), out)
+        got = rejects(IndexError, [str(2**64 - 1), "position 2", f"[0, {ROWS})"],
+                      lambda: call(big, out), out)
+        # past int64 (uint64), the same wording as an int64 id out of range, valid range included
+        bad_ids = np.array(ids, np.int64)
+        bad_ids[2] = 2**62
+        want = rejects(IndexError, [], lambda: call(bad_ids, out), out)
+        assert str(got).replace(str(2**64 - 1), "ID") == str(want).replace(str(2**62), "ID")
 
 
 def test_token_id_wrong_kind(target):
@@ -301,7 +307,10 @@ def test_adapter_ids_out_of_range(bank):
         rejects(IndexError, [str(bad), f"position {pos}"],
                 lambda: bank.add_rows_to([0, 1, 2, 3], rows_out, ids), rows_out)
     big = np.array([0, 2**64 - 1, 0, 0], np.uint64)
-    rejects(IndexError, [str(2**64 - 1), "position 1"], lambda: bank.add_batch_to(x, out, big), out)
+    got = rejects(IndexError, [str(2**64 - 1), "position 1", "valid ids are -1 (no adapter) and 0..2"],
+                  lambda: bank.add_batch_to(x, out, big), out)
+    want = rejects(IndexError, [], lambda: bank.add_batch_to(x, out, [0, 2**40, 0, 0]), out)
+    assert str(got).replace(str(2**64 - 1), "ID") == str(want).replace(str(2**40), "ID")
 
 
 def test_adapter_ids_wrong_kind(bank):

@@ -250,6 +250,10 @@ def test_bad_input_is_refused_before_anything_is_written():
         b = ids.copy()
         b[4, 1] = bad                            # after valid ids: still nothing written
         refused(IndexError, rf"expert id {bad} at position \(4, 1\)", x, b)
+    b = ids.astype(np.uint64)
+    b[4, 1] = 2**64 - 1                          # past int64: the same wording, range included
+    refused(IndexError, rf"expert id {2**64 - 1} at position \(4, 1\) is out of range: valid "
+                        rf"ids are -1 \(no expert\) and 0\.\.{n - 1}$", x, b)
     refused(ValueError, r"out must have shape \(6, 3, 12\)", x, rng.integers(0, n, (6, 3)))
     refused(ValueError, r"x has shape \(5, 10\)", x[:5], ids)
     refused(ValueError, r"x has shape \(6, 2, 9\)", rand(rng, (6, 2, 9)), ids)
