@@ -81,10 +81,12 @@ def accelerate_peft(model):
     """Put lora-kernels under every PEFT LoRA ``Linear`` and ``Embedding`` layer of ``model``.
 
     ``model``: a ``peft.PeftModel``, or any ``torch.nn.Module`` holding PEFT LoRA layers.
-    Returns a ``PeftAcceleration``: ``.restore()`` puts PEFT's own forward back (also on leaving
-    ``with lora.accelerate_peft(model): ...``); ``.accelerated`` lists the layers the kernels
-    serve and ``.skipped`` maps the others to the reason (as of the last forward; before any
-    forward, as of this call); ``.refresh()`` forgets anything derived from the weights.
+    Needs torch and PEFT (``pip install "lora-kernels[peft]"``; an ``ImportError`` saying so
+    without them).  Returns a ``PeftAcceleration``: ``.restore()`` puts PEFT's own forward back
+    (also on leaving ``with lora.accelerate_peft(model): ...``); ``.accelerated`` lists the
+    layers the kernels serve and ``.skipped`` maps the others to the reason (as of the last
+    forward; before any forward, as of this call); ``.refresh()`` forgets anything derived from
+    the weights.
 
     PEFT LoRA on MoE experts (``target_parameters``: PEFT's ``ParamWrapper`` on an experts module
     of transformers' experts interface) is served by an experts forward of lora-kernels' own,
@@ -123,9 +125,13 @@ class PeftAcceleration:
     restores on exit.  Built only by ``accelerate_peft``."""
 
     def __init__(self, model):
-        import torch
-        from peft.tuners.lora import layer as lora_layer
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        try:
+            import torch
+            from peft.tuners.lora import layer as lora_layer
+            from peft.tuners.tuners_utils import BaseTunerLayer
+        except ImportError as exc:
+            raise ImportError(f"accelerate_peft needs torch and PEFT (with transformers), the "
+                              f"'peft' extra: pip install \"lora-kernels[peft]\" ({exc})") from exc
 
         self._torch = torch
         self._module_globals = torch.nn.modules.module  # where torch keeps global module hooks
