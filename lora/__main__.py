@@ -180,6 +180,10 @@ def main(argv=None, out=None, err=None):
         # that a failure prints exactly one line.
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            from lora import _runtime
+
+            for message in _runtime.take_warnings():  # import-time ones (LORA_ISA) under -m
+                warnings.warn(message, RuntimeWarning)
             if args.command == "info":
                 _info(out)
             else:
