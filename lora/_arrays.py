@@ -32,9 +32,10 @@ np_code = dtypes.np_code
 
 
 def is_float_dtype(dt):
-    """A real floating NumPy dtype: NumPy's own (float64 included) or one of the dtypes of
-    another package that the kernels read (ml_dtypes' bfloat16)."""
-    return dt.kind == "f" or dtypes.is_extra_float(dt)
+    """A real floating NumPy dtype: NumPy's own (float64 included), one of the dtypes of
+    another package that the kernels read (ml_dtypes' bfloat16), or another of ml_dtypes' real
+    floats (float8, float6, float4: converted to float32)."""
+    return dt.kind == "f" or dtypes.is_extra_float(dt) or dtypes.is_other_float(dt)
 
 
 def torch_module():
@@ -290,6 +291,9 @@ def float_array(value, what):
         if not t.dtype.is_floating_point:
             raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 "
                             f"or float64); got dtype {dtype_name(t)}")
+        torch = torch_module()
+        if t.dtype not in (torch.float16, torch.float32, torch.float64):  # float8: .numpy()
+            t = t.to(torch.float32)                                       # lacks it (exact)
         value = t.numpy()
     try:
         arr = np.asarray(value)
@@ -440,7 +444,7 @@ def as_scales(scales, what="scales"):
                             f"{dtype_name(scales)}")
         scales = scales.detach().resolve_neg().to(torch.float64).numpy()
     arr = np.asarray(scales)
-    if arr.dtype.kind == "b" or not (arr.dtype.kind in "iuf" or dtypes.is_extra_float(arr.dtype)):
+    if arr.dtype.kind == "b" or not (arr.dtype.kind in "iu" or is_float_dtype(arr.dtype)):
         raise TypeError(f"{what} must be real numbers (not bool); got dtype {arr.dtype}")
     if not np.isfinite(arr.astype(np.float64)).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr.astype(np.float64)))[0])
