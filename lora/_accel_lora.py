@@ -419,7 +419,16 @@ class Layer(ServedLayer):
         kernels do not serve the call, with ``.skipped`` saying why).  The custom op's CPU
         implementation: what a compiled graph runs."""
         m = self.module
-        if adapter_names is not None:
+        if adapter_names is None:
+            plan = self.plan
+            base = plan.holds(x) if plan is not None else None
+            if base is not None:  # the short path, after the base call
+                got = plan._tail(x, out, base)
+                if got is not out:
+                    out.copy_(got)
+                return
+            self.plan = None
+        else:
             self._check_args(x, (), {"adapter_names": adapter_names}, adapter_names)
         if m.disable_adapters or (m.merged and adapter_names is None):
             self.acc._status[self.name] = None  # the base layer's output is the whole result
@@ -446,6 +455,7 @@ class Layer(ServedLayer):
                 self._mixed(x, fresh, adapter_names, names, None)
             else:
                 self._active(x, fresh, names, None)
+                self._leave_plan(x, names)
             if fresh is not out:
                 out.copy_(fresh)
         self.acc._status[self.name] = None
@@ -536,12 +546,8 @@ class Layer(ServedLayer):
                 if (self.linear and x.dim() == 1
                         and any(m.use_dora.get(a, False) for a in names)):
                     result = result.unsqueeze(0)  # PEFT's DoRA term is [1, out]: it broadcasts
-                if (self.linear and not args and not kwargs and x.dim() > 1
-                        and alora_offsets is None and not any(self._is_alora(a) for a in names)
-                        and not (any(m.use_dora.get(a, False) for a in names)
-                                 and getattr(m.get_base_layer(), "bias", None) is not None)):
-                    plan = Plan(self, names, x.dim())
-                    self.plan = plan if plan.ok else None
+                if not args and not kwargs and alora_offsets is None:
+                    self._leave_plan(x, names)
         if not result_dtype_ok:  # a mixed batch without adapters here, of a dtype the kernels
             # do not write: PEFT computes it
             self.skip(f"the layer's output is {result.dtype}")
@@ -551,6 +557,17 @@ class Layer(ServedLayer):
             return self.original(x, *args, **kwargs)
         acc._status[self.name] = None
         return result
+
+    def _leave_plan(self, x, names):
+        """After a full-path call on the active adapters `names` (no other arguments), the
+        short path for the next one, when there is one: Linear layers, a batched x, no aLoRA
+        adapter, no DoRA adapter on a layer with a bias."""
+        m = self.module
+        if (self.linear and x.dim() > 1 and not any(self._is_alora(a) for a in names)
+                and not (any(m.use_dora.get(a, False) for a in names)
+                         and getattr(m.get_base_layer(), "bias", None) is not None)):
+            plan = Plan(self, names, x.dim())
+            self.plan = plan if plan.ok else None
 
     def takes(self, x, result, names):
         """Whether the kernels add a Linear layer's term into the base layer's `result` (in
@@ -879,6 +896,12 @@ class Plan:
                 return got if type(got) is not tuple else self._tail(x, got[0], got[1])
         if self.ids is not None:  # a mixed batch: the full path
             return None
+        base = self.holds(x)
+        return None if base is None else self._tail(x, base(x), base)
+
+    def holds(self, x):
+        """The base layer, when this (active adapters') plan serves a call on x now: every
+        check of the short path, made before the base call; else None."""
         m = self.module
         d = m.__dict__
         if (d.get("_active_adapter") != self.active or d.get("_disable_adapters")
@@ -926,7 +949,7 @@ class Plan:
                     return None
                 if self.grad_enabled() and ts[1].requires_grad:
                     return None
-        return self._tail(x, base(x), base)
+        return base
 
     def _tail(self, x, result, base):
         """After the base call: the LoRA term into `result` (the base layer's output); a result

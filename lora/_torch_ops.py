@@ -21,6 +21,8 @@ This module imports torch: it is imported by the PEFT acceleration modules only 
 lora`` never imports it).
 """
 
+import weakref
+
 import torch
 
 __all__ = ["term", "compiling", "eager"]
@@ -29,21 +31,28 @@ _NAMESPACE = "lora_kernels"
 _OP = "peft_lora_term"
 
 
-def _served(layer):
-    """The served layer of the module whose id() is `layer`, in a model accelerated now."""
-    from .accelerate import _ACCELERATED
+_SEEN = weakref.WeakValueDictionary()  # layer handle -> its served layer, once an op ran it
 
-    for acc in list(_ACCELERATED.values()):
-        served = acc._layers.get(layer)
-        if served is not None:
-            return served
-    return None
+
+def _served(layer):
+    """The served layer of the module whose id() is `layer`: found in a model accelerated now
+    (then remembered while that served layer lives), else None."""
+    served = _SEEN.get(layer)
+    if served is None:
+        from .accelerate import _ACCELERATED
+
+        for acc in list(_ACCELERATED.values()):
+            served = acc._layers.get(layer)
+            if served is not None:
+                _SEEN[layer] = served
+                break
+    return served
 
 
 def _term_cpu(x, out, layer, adapter_names):
     served = _served(layer)
-    if served is None:  # restore() ran: torch recompiles a graph traced before (its guards
-        raise RuntimeError(  # see the module's forward change); this one was not
+    if served is None:  # restore() ran and the layer is gone: torch recompiles a graph traced
+        raise RuntimeError(  # before (its guards see the module's forward change); not this one
             f"{_NAMESPACE}::{_OP}: the layer this graph was traced with is no longer "
             f"accelerated (restore() was called); compile the model again")
     served.term_into(x, out, adapter_names)
