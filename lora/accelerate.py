@@ -112,9 +112,10 @@ def accelerate_peft(model):
     The LoRA term is computed in float32 from PEFT's tensors as they are stored (read in place, no
     copies) and rounded once into the layer's output dtype.  ``torch.compile`` of the model
     keeps the kernels: a served layer traces as its base layer and one call of the custom op
-    ``lora_kernels::peft_lora_term`` (MoE experts and aLoRA calls: one graph break each).  ``TypeError`` for something that is
-    not a ``torch.nn.Module``; ``ValueError`` for a model without any PEFT LoRA ``Linear`` /
-    ``Embedding`` layer, or one already accelerated (``restore()`` it first).
+    ``lora_kernels::peft_lora_term`` (MoE experts and aLoRA calls: one graph break each).
+    ``TypeError`` for something that is not a ``torch.nn.Module``; ``ValueError`` for a model
+    without any PEFT LoRA ``Linear`` / ``Embedding`` layer, or one already accelerated
+    (``restore()`` it first).
     """
     return PeftAcceleration(model)
 

@@ -307,7 +307,8 @@ def test_adapter_ids_out_of_range(bank):
         rejects(IndexError, [str(bad), f"position {pos}"],
                 lambda: bank.add_rows_to([0, 1, 2, 3], rows_out, ids), rows_out)
     big = np.array([0, 2**64 - 1, 0, 0], np.uint64)
-    got = rejects(IndexError, [str(2**64 - 1), "position 1", "valid ids are -1 (no adapter) and 0..2"],
+    got = rejects(IndexError, [str(2**64 - 1), "position 1",
+                               "valid ids are -1 (no adapter) and 0..2"],
                   lambda: bank.add_batch_to(x, out, big), out)
     want = rejects(IndexError, [], lambda: bank.add_batch_to(x, out, [0, 2**40, 0, 0]), out)
     assert str(got).replace(str(2**64 - 1), "ID") == str(want).replace(str(2**40), "ID")
