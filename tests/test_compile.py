@@ -11,6 +11,7 @@ import warnings
 import pytest
 
 import lora
+from conftest import close_to_peft as close, peft_each_alone
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -52,10 +53,6 @@ def ids(batch=3, t=6, seed=1):
     return torch.randint(0, VOCAB, (batch, t), generator=torch.Generator().manual_seed(seed))
 
 
-def close(got, ref, what):
-    err = (got - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    assert err <= 2e-5 * max(scale, 1.0), f"{what}: max |compiled ours - PEFT| = {err:.3e}"
 
 
 def lora_layers(model):
@@ -101,19 +98,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def each_alone(model, x, names):
-    rows = []
-    for row, name in enumerate(names):
-        if name == "__base__":
-            with model.disable_adapter():
-                rows.append(model(x[row:row + 1]).logits)
-        else:
-            model.set_adapter(name)
-            rows.append(model(x[row:row + 1]).logits)
-    model.set_adapter("one")
-    return torch.cat(rows)
 
 
 def breaks_in_lora(fn, *args, **kwargs):
@@ -172,7 +156,8 @@ def test_a_compiled_mixed_batch_is_each_sequence_alone(kind, runs):
     rec = Recorder()
     compiled = torch.compile(model, backend=rec)
     with torch.no_grad():
-        want = each_alone(ref_model, x, names)
+        want = peft_each_alone(ref_model, x, names)
+        ref_model.set_adapter("one")
         for _ in range(2):
             runs[0] = 0
             close(compiled(x, adapter_names=names).logits, want, f"{kind}: mixed batch")

@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 import lora
+from conftest import close_to_peft as close, peft_each_alone
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,12 +80,6 @@ def ids(batch=3, t=7, seed=1):
     return torch.randint(0, VOCAB, (batch, t), generator=torch.Generator().manual_seed(seed))
 
 
-def close(got, ref, what):
-    err = (got - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    assert err <= 2e-5 * max(scale, 1.0), f"{what}: max |ours - PEFT| = {err:.3e}"
-
-
 def check_served(model, x, what, **kw):
     """Inside inference mode: PEFT's logits, then accelerated (the full path, then the short
     path of the second call), every LoRA layer served."""
@@ -132,18 +127,11 @@ def test_adapters_loaded_under_inference_mode_are_served(tmp_path, kind):
         check_served(model, x, f"{kind} adapter {name}")
     names = ["two", "__base__", "one"]
     with torch.inference_mode():
-        alone = []
-        for row, name in enumerate(names):
-            if name == "__base__":
-                with model.disable_adapter():
-                    alone.append(model(x[row:row + 1]).logits)
-            else:
-                model.set_adapter(name, inference_mode=True)
-                alone.append(model(x[row:row + 1]).logits)
+        alone = peft_each_alone(model, x, names, inference_mode=True)
         with lora.accelerate_peft(model) as acc:
             got = model(x, adapter_names=names).logits
             assert set(acc.accelerated) == lora_layers(model) and not acc.skipped
-    close(got, torch.cat(alone), f"{kind} mixed batch")
+    close(got, alone, f"{kind} mixed batch")
 
 
 @pytest.mark.parametrize("kind", ["dora", "moe"])
