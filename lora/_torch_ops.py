@@ -38,13 +38,13 @@ def _served(layer):
     """The served layer of the module whose id() is `layer`: found in a model accelerated now
     (then remembered while that served layer lives), else None."""
     served = _SEEN.get(layer)
-    if served is None:
+    if served is None or not served.acc._active:  # (restored: the module may be served anew)
         from .accelerate import _ACCELERATED
 
         for acc in list(_ACCELERATED.values()):
-            served = acc._layers.get(layer)
-            if served is not None:
-                _SEEN[layer] = served
+            found = acc._layers.get(layer)
+            if found is not None:
+                _SEEN[layer] = served = found
                 break
     return served
 
