@@ -163,7 +163,7 @@ def _inspect(args, out):
     params = sum((n_experts[name] or 1) * d.rank * (d.rows + d.cols)
                  + (magnitudes[name].size if name in magnitudes else 0)
                  for name, d in adapter.items())
-    total = sum(size(name, d) for name, d in adapter.items())
+    total = adapter.resident_bytes + (0 if norms else sum(m.nbytes for m in magnitudes.values()))
     of = f" ({routed} of them routed experts)" if routed else ""
     print(f"total: {len(adapter)} targets{of}, {params} parameters, {total} "
           f"bytes ({total / 2**20:.2f} MiB)", file=out)
