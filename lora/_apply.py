@@ -67,16 +67,16 @@ def checked(target, op, x, out, ids=None, scales=None, extra=None):
         _, _, n, _ = arrays.check_out(out, bshape, shown=f"(..., {rows})", batched=True)
         lead = bshape[:-1]
         x = arrays.check_x(x, out, lead + (cols,), batched=True, lead_of=bshape)[0]
-        idn, posn = bank_ids(ids, scales, lead)
+        idn, posn = bank_ids(ids, scales, lead, target.n_entries)
     elif op == OP_ROW:
         x = arrays.token_id(x, rows)
         arrays.check_out(out, (cols,), "out_row")
         n = 1
     else:  # OP_ROWS
         target.plain("add_rows_to")
-        x, n = rows_args(x, out, cols)
+        x, n = rows_args(x, out, cols, rows)
         tok = x
-        idn, posn = bank_ids(ids, scales, x.shape)
+        idn, posn = bank_ids(ids, scales, x.shape, target.n_entries)
     epi = target.epi_arg(op, idn, posn, n)
     if not n:
         return out
@@ -93,12 +93,13 @@ def checked(target, op, x, out, ids=None, scales=None, extra=None):
     return out  # pragma: no cover - raise_status raises
 
 
-def bank_ids(ids, scales, lead):
+def bank_ids(ids, scales, lead, n_entries):
     """A bank call's adapter ids (int64, of the leading shape `lead` or a prefix of it) and
-    scales (float64, the ids' shape); (None, None) without ids."""
+    scales (float64, the ids' shape); (None, None) without ids.  `n_entries` names the valid
+    range of an id past int64."""
     if ids is None:
         return None, None
-    idn = arrays.as_ids(ids, "adapter_ids", any_shape=True)
+    idn = arrays.as_ids(ids, "adapter_ids", any_shape=True, bound=n_entries)
     if len(lead) == 1 and idn.ndim == 1 and idn.shape[0] != lead[0]:
         raise ValueError(f"adapter_ids has {idn.shape[0]} ids; out has {lead[0]} positions")
     arrays.per_id_shape(idn, lead, "adapter_ids")
@@ -115,14 +116,15 @@ def _scales_of(scales, idn):
     return pos
 
 
-def rows_args(ids, out, cols):
-    """The checks of the gathers: ids of any shape (at least 1-D), out [*ids.shape, cols].
-    Returns (int64 ids, positions)."""
+def rows_args(ids, out, cols, rows=None):
+    """The checks of the gathers: ids of any shape (at least 1-D), out [*ids.shape, cols];
+    `rows` (the vocabulary) names the valid range of an id past int64.  Returns (int64 ids,
+    positions)."""
     if not (isinstance(out, _ndarray) or torchs.is_tensor(out)):
         arrays.check_out(out, None, shown=f"(n, {cols})")  # always raises: not an array
     if torchs.is_tensor(out):
         torchs.check_tensor_place(out, "out")  # device, layout, nested: before any shape is read
-    tok = arrays.as_ids(ids, "ids", any_shape=True)
+    tok = arrays.as_ids(ids, "ids", any_shape=True, bound=rows)
     if tok.ndim == 0:
         raise ValueError("ids must have at least one axis (a 0-d id is add_row_to's); got a "
                          "0-d array")
@@ -141,7 +143,7 @@ def _experts(target, x, out, expert_ids, adapter_ids, scales):
     """The routed add's checks (a LoraExperts, or a bank of them): x one row per token or per
     slot, out ``expert_ids.shape + (rows,)``, the expert ids, a bank's adapter ids per token
     or per slot; then the edge."""
-    eids = _expert_ids(expert_ids)
+    eids = _expert_ids(expert_ids, target.expert_shape)
     ishape = tuple(eids.shape)
     if not ishape:
         raise ValueError("expert_ids must have at least one axis ([..., k]); got a 0-d id")
@@ -169,7 +171,7 @@ def _experts(target, x, out, expert_ids, adapter_ids, scales):
                          f"for expert_ids of shape {ishape}; got {tuple(out.shape)}")
     idn = posn = None
     if adapter_ids is not None:
-        idn = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
+        idn = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True, bound=target.n_entries)
         if not (idn.ndim == 0 and len(ishape) == 1):  # one token's k slots
             arrays.per_id_shape(idn, ishape, "adapter_ids")
         posn = _scales_of(scales, idn)
@@ -192,7 +194,7 @@ def _experts(target, x, out, expert_ids, adapter_ids, scales):
     return out  # pragma: no cover
 
 
-def _expert_ids(expert_ids):
+def _expert_ids(expert_ids, expert_shape=None):
     """Expert ids as the edge reads them: an int64 CPU tensor that is contiguous as it is,
     anything else an int64 C-contiguous NumPy array (bool and float ids: TypeError)."""
     if torchs.is_tensor(expert_ids):
@@ -201,7 +203,8 @@ def _expert_ids(expert_ids):
         if (expert_ids.dtype == torch.int64 and expert_ids.is_contiguous()
                 and not expert_ids.is_neg()):
             return expert_ids
-    return arrays.as_ids(expert_ids, "expert_ids", any_shape=True)
+    return arrays.as_ids(expert_ids, "expert_ids", any_shape=True,
+                         bound=expert_shape[0] if expert_shape is not None else None)
 
 
 def _np_ids(ids):

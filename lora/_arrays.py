@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _dtypes as dtypes
 from ._lora_cffi import ffi
+from ._status import id_error, position_of
 from ._torch import (TORCH_CODES, check_tensor_place, is_tensor, note_write, torch_code,
                      torch_init, torch_module)
 
@@ -28,9 +29,10 @@ np_code = dtypes.np_code
 
 
 def is_float_dtype(dt):
-    """A real floating NumPy dtype: NumPy's own (float64 included) or one of the dtypes of
-    another package that the kernels read (ml_dtypes' bfloat16)."""
-    return dt.kind == "f" or dtypes.is_extra_float(dt)
+    """A real floating NumPy dtype: NumPy's own (float64 included), one of the dtypes of
+    another package that the kernels read (ml_dtypes' bfloat16), or another of ml_dtypes' real
+    floats (float8, float6, float4: converted to float32)."""
+    return dt.kind == "f" or dtypes.is_extra_float(dt) or dtypes.is_other_float(dt)
 
 
 def dtype_name(obj):
@@ -226,6 +228,9 @@ def float_array(value, what):
         if not t.dtype.is_floating_point:
             raise TypeError(f"{what} must be a real floating array (float16, bfloat16, float32 "
                             f"or float64); got dtype {dtype_name(t)}")
+        torch = torch_module()
+        if t.dtype not in (torch.float16, torch.float32, torch.float64):  # float8: .numpy()
+            t = t.to(torch.float32)                                       # lacks it (exact)
         value = t.numpy()
     try:
         arr = np.asarray(value)
@@ -296,16 +301,17 @@ def _check_shape(got, want, what, lead_of):
         raise ValueError(f"{what} must have shape {want} = [cols]; got {tuple(got)}")
 
 
-def as_ids(ids, what, shape=None, *, any_shape=False):
+def as_ids(ids, what, shape=None, *, any_shape=False, bound=None):
     """An int64 C-contiguous copy (or view) of integer ids; TypeError for bool/float ids.
 
     `shape`: the shape the ids must have (ValueError otherwise); `any_shape`: keep the ids'
-    own shape (else they must be 1-D)."""
+    own shape (else they must be 1-D).  An id past int64 (a uint64 or a Python int) is an
+    IndexError naming the valid range when `bound` is given (see `id_error`)."""
     if isinstance(ids, (list, tuple)) and ids and all(
             isinstance(v, int) and not isinstance(v, bool) for v in ids):
         big = [i for i, v in enumerate(ids) if not -2**63 <= v <= I64_MAX]
         if big:  # NumPy would make these an object or float array
-            raise IndexError(f"{what}: id {ids[big[0]]} at position {big[0]} is out of range")
+            raise id_error(what, ids[big[0]], big[0], bound)
     if is_tensor(ids):
         check_tensor_place(ids, what)
         ids = ids.detach().resolve_neg()
@@ -323,8 +329,8 @@ def as_ids(ids, what, shape=None, *, any_shape=False):
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size:
         big = np.flatnonzero(arr.reshape(-1) > np.uint64(I64_MAX))
         if big.size:
-            raise IndexError(f"{what}: id {int(arr.reshape(-1)[big[0]])} at position "
-                             f"{int(big[0])} is out of range")
+            raise id_error(what, int(arr.reshape(-1)[big[0]]), position_of(arr, int(big[0])),
+                           bound)
     if arr.dtype != I64 or not arr.flags.c_contiguous or not arr.flags.aligned:
         arr = np.array(arr, dtype=I64, order="C", copy=True)
     return arr
@@ -355,7 +361,7 @@ def as_scales(scales, what="scales"):
                             f"{dtype_name(scales)}")
         scales = scales.detach().resolve_neg().to(torch.float64).numpy()
     arr = np.asarray(scales)
-    if arr.dtype.kind == "b" or not (arr.dtype.kind in "iuf" or dtypes.is_extra_float(arr.dtype)):
+    if arr.dtype.kind == "b" or not (arr.dtype.kind in "iu" or is_float_dtype(arr.dtype)):
         raise TypeError(f"{what} must be real numbers (not bool); got dtype {arr.dtype}")
     if not np.isfinite(arr.astype(np.float64)).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr.astype(np.float64)))[0])

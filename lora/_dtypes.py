@@ -134,6 +134,15 @@ def is_extra_float(dt):
     return any(d.is_numpy(dt) for d in _FOREIGN)
 
 
+def is_other_float(dt):
+    """True for a real floating NumPy dtype of ml_dtypes that is not one of `ALL` (float8_*,
+    float6_*, float4_*: NumPy's kind is "V" for most of them); such input is converted to
+    float32 (exactly: every value of these types is a float32), as float64 input is.
+    Recognised without importing ml_dtypes."""
+    return (getattr(dt.type, "__module__", None) == "ml_dtypes" and dt.name.startswith("float")
+            and not is_extra_float(dt))
+
+
 def np_dtype(name):
     """The NumPy dtype that holds values of dtype `name`."""
     return BY_NAME[name].numpy

@@ -389,7 +389,7 @@ class EntryTable:
     def _check_ids_only(self, adapter_ids, scales, lead):
         if adapter_ids is None:
             return
-        ids, pos = _apply.bank_ids(adapter_ids, scales, lead)
+        ids, pos = _apply.bank_ids(adapter_ids, scales, lead, len(self._entries))
         flat = ids.reshape(-1)
         wrong = np.flatnonzero((flat < -1) | (flat >= len(self._entries)))
         if wrong.size:

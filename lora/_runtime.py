@@ -86,7 +86,8 @@ def isa_reason(row=None):
 
 def _user_stacklevel():
     """The stacklevel of the first frame outside this package and the import machinery, so an
-    import-time warning points at the user's `import lora`."""
+    import-time warning points at the user's `import lora`; None when there is none (``python
+    -m lora``: runpy imports the package, no line of the user's does)."""
     import sys
 
     frame, level = sys._getframe(1), 1
@@ -96,7 +97,40 @@ def _user_stacklevel():
             return level
         frame = frame.f_back
         level += 0 if internal or frame is None else 1
-    return level
+    return None
+
+
+_DEFERRED = []  # import-time warnings of `python -m lora`, which its CLI prints (take_warnings)
+
+
+def _warn(message):
+    """An import-time RuntimeWarning at the user's `import lora` line.  Under ``python -m
+    lora`` there is none (sys.argv[0] is "-m" while runpy imports the package): the CLI prints
+    it as its own warning line (`take_warnings`), else it is shown when the interpreter exits;
+    anywhere else without a caller's frame (an embedding application), at this line."""
+    import sys
+
+    level = _user_stacklevel()
+    if level is None and sys.argv[:1] == ["-m"]:
+        if not _DEFERRED:
+            import atexit
+
+            atexit.register(_flush)
+        _DEFERRED.append(message)
+        return
+    warnings.warn(message, RuntimeWarning, stacklevel=level or 1)
+
+
+def take_warnings():
+    """The import-time warnings deferred for ``python -m lora`` to print (and forget)."""
+    taken = list(_DEFERRED)
+    _DEFERRED.clear()
+    return taken
+
+
+def _flush():
+    for message in take_warnings():  # a `python -m lora.<module>` that did not take them
+        warnings.warn(message, RuntimeWarning)
 
 
 def _apply_env_isa():
@@ -109,12 +143,11 @@ def _apply_env_isa():
         return
     default = isa()
     if want not in ISA_CODES:
-        warnings.warn(f"LORA_ISA={want!r} is not a known ISA path (scalar, avx2, avx512, neon); "
-                      f"using {default}", RuntimeWarning, stacklevel=_user_stacklevel())
+        _warn(f"LORA_ISA={want!r} is not a known ISA path (scalar, avx2, avx512, neon); "
+              f"using {default}")
     elif not lib.lora_isa_supported(ISA_CODES[want]):
-        warnings.warn(f"LORA_ISA={want!r} is not supported by this CPU or build "
-                      f"(available: {', '.join(available_isas())}); using {default}",
-                      RuntimeWarning, stacklevel=_user_stacklevel())
+        _warn(f"LORA_ISA={want!r} is not supported by this CPU or build "
+              f"(available: {', '.join(available_isas())}); using {default}")
     else:
         lib.lora_set_isa(ISA_CODES[want])
         _forced_by = f"LORA_ISA={want}"

@@ -6,6 +6,26 @@ import numpy as np
 from ._lora_cffi import lib
 
 
+_ID_NOUNS = {"ids": "token id", "adapter_ids": "adapter id", "expert_ids": "expert id"}
+
+
+def id_error(what, value, position, bound=None):
+    """The IndexError for an id out of range, in one wording per kind of id (`what`: "ids",
+    "adapter_ids" or "expert_ids"), naming the valid range when `bound` (the number of rows,
+    entries or experts) is known."""
+    noun = _ID_NOUNS.get(what, f"{what}: id")
+    if bound is None:
+        valid = ""
+    elif what == "ids":
+        valid = f" [0, {bound})"
+    elif what == "adapter_ids":
+        valid = ": valid ids are -1 (no adapter)" + (f" and 0..{bound - 1}" if bound else
+                                                     ", the bank has no entries")
+    else:
+        valid = f": valid ids are -1 (no expert) and 0..{bound - 1}"
+    return IndexError(f"{noun} {value} at position {position} is out of range{valid}")
+
+
 def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=None, bad=None,
                  scales=None):
     """Turn a LORA_ERR_* status from the C layer into the matching Python exception."""
@@ -13,15 +33,10 @@ def raise_status(status, *, ids=None, adapter_ids=None, n_entries=None, rows=Non
     if status == lib.LORA_ERR_OVERLAP:
         raise ValueError("x and out overlap in memory; out must not alias x")
     if status == lib.LORA_ERR_INDEX:
-        flat = ids.reshape(-1)
-        raise IndexError(f"token id {int(flat[pos])} at position {position_of(ids, pos)} is out of "
-                         f"range [0, {rows})")
+        raise id_error("ids", int(ids.reshape(-1)[pos]), position_of(ids, pos), rows)
     if status == lib.LORA_ERR_ADAPTER:
-        flat = adapter_ids.reshape(-1)
-        valid = "-1 (no adapter)" + (f" and 0..{n_entries - 1}" if n_entries else
-                                     ", the bank has no entries")
-        raise IndexError(f"adapter id {int(flat[pos])} at position {position_of(adapter_ids, pos)} is "
-                         f"out of range: valid ids are {valid}")
+        raise id_error("adapter_ids", int(adapter_ids.reshape(-1)[pos]),
+                       position_of(adapter_ids, pos), n_entries or 0)
     if status == lib.LORA_ERR_SCALE:
         if pos >= 0 and scales is not None:
             raise ValueError(f"scales[{position_of(scales, pos)}] = "

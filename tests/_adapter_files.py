@@ -179,15 +179,15 @@ def patch_gguf_ne(path, tensor_name, ne):
     return path
 
 
-def poison_q8_0_scale(path, tensor_name):
-    """Set the f16 scale of the first Q8_0 block of a tensor to +inf."""
+def poison_q8_0_scale(path, tensor_name, value=np.inf):
+    """Set the f16 scale of the first Q8_0 block of a tensor to `value` (+inf)."""
     reader = GGUFReader(str(path))
     t = next(t for t in reader.tensors if t.name == tensor_name)
     assert t.tensor_type == GGMLQuantizationType.Q8_0
     offset = int(t.data_offset)
     del reader, t
     data = bytearray(path.read_bytes())
-    data[offset:offset + 2] = np.array([np.inf], np.float16).tobytes()
+    data[offset:offset + 2] = np.array([value], np.float16).tobytes()
     path.write_bytes(bytes(data))
     return path
 

@@ -195,7 +195,7 @@ def assert_format_error(call, path, *names):
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)     # a refusal must not also warn
+        warnings.simplefilter("error")   # a refusal must not also warn (nor a library below)
         with pytest.raises(lora.LoraFormatError) as exc:
             call()
     msg = str(exc.value)
@@ -205,6 +205,35 @@ def assert_format_error(call, path, *names):
         assert name in msg, msg
     assert "\n" not in msg
     return msg
+
+
+# ------------------------------------------------------------- PEFT models
+
+
+def close_to_peft(got, ref, what, rtol=2e-5):
+    """Logits (torch tensors) within float32 rounding of PEFT's: max |got - ref| <= rtol times
+    the largest |ref| (at least 1)."""
+    err = (got.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert err <= rtol * max(scale, 1.0), \
+        f"{what}: max |ours - PEFT| = {err:.3e} (|PEFT| {scale:.3g})"
+
+
+def peft_each_alone(model, x, names, **set_adapter):
+    """PEFT's logits for a mixed batch computed one sequence at a time: row b of x with adapter
+    names[b] active ("__base__": adapters disabled), concatenated; the active adapter is left
+    as the last name set.  `set_adapter`: extra arguments of PEFT's set_adapter."""
+    import torch
+
+    rows = []
+    for row, name in enumerate(names):
+        if name == "__base__":
+            with model.disable_adapter():
+                rows.append(model(x[row:row + 1]).logits)
+        else:
+            model.set_adapter(name, **set_adapter)
+            rows.append(model(x[row:row + 1]).logits)
+    return torch.cat(rows)
 
 
 # ------------------------------------------------------------- subprocesses

@@ -1348,3 +1348,42 @@ def test_alora_adds_into_the_base_output_in_place_as_peft_does():
             got = model(x, alora_offsets=[2, 4])
             assert kept[-1] is got and acc.accelerated
     close(got, ref, "aLoRA in place")
+
+
+def test_concurrent_forwards_with_the_active_adapters_are_each_right():
+    """What docs/peft.md calls safe under threads: concurrent forwards that all use the active
+    adapters, and, with mixed batches among the calls, every call under one lock: each thread
+    gets the result of its call made alone."""
+    import threading
+
+    model = peft_model(seed=21)
+    model.base_model.set_adapter(["a", "b"])
+    xs = [ids(batch=2, t=6, seed=30 + i) for i in range(4)]
+    mixes = [None, ["a", "c"], ["__base__", "b"]]
+    with torch.no_grad(), lora.accelerate_peft(model) as acc:
+        want = [logits(model, x) for x in xs]
+        want_mixed = [logits(model, xs[0], adapter_names=m) for m in mixes]
+        lock, wrong, phase = threading.Lock(), [], threading.Barrier(4)
+
+        def worker(k):
+            with torch.no_grad():
+                for r in range(6):
+                    i = (k + r) % len(xs)
+                    if (logits(model, xs[i]) - want[i]).abs().max() > 1e-5:
+                        wrong.append(("active", i))
+            phase.wait()   # no unlocked call may run beside a mixed batch
+            with torch.no_grad():
+                for r in range(6):
+                    j = (k + r) % len(mixes)
+                    with lock:   # a mixed batch among the calls: every call under the lock
+                        got = logits(model, xs[0], adapter_names=mixes[j])
+                    if (got - want_mixed[j]).abs().max() > 1e-5:
+                        wrong.append(("mixed", j))
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert acc.accelerated and not acc.skipped
+    assert not wrong, wrong

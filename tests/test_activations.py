@@ -453,3 +453,52 @@ def test_merge_keeps_non_finite_w_elements_and_names_overflow():
     with pytest.raises(ValueError, match=r"unmerging from w overflows its dtype float16 at \[0, 0\]"):
         d.unmerge_from(w)
     assert not w.any()
+
+
+NARROW = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float6_e2m3fn", "float4_e2m1fn"]
+
+
+@pytest.mark.parametrize("name", NARROW + ["torch.float8_e4m3fn", "torch.float8_e5m2"])
+def test_narrow_float_x_is_converted_to_float32(name):
+    """One rule for every real float dtype the kernels do not read (ml_dtypes' float8, float6
+    and float4 arrays, torch's float8 tensors): x, factors and scales are converted to float32,
+    exactly, as float64 is, giving the bits of that float32 copy; out is written in place, so it
+    must be float32, float16 or bfloat16 (TypeError)."""
+    rng = np.random.default_rng(40)
+    d, stack, bank = _entries(rng, "float32")
+    x = (rng.standard_normal((4, COLS)) * 0.5).astype(np.float32)
+    if name.startswith("torch."):
+        torch = pytest.importorskip("torch")
+        narrow = torch.from_numpy(x).to(getattr(torch, name[6:]))
+        wide = narrow.float().numpy()
+        wrap = torch.from_numpy
+    else:
+        narrow = x.astype(getattr(ml_dtypes, name))
+        wide = narrow.astype(np.float32)
+        wrap = np.asarray
+    out = rand(rng, (4, ROWS))
+    for entry, extra in ((d, ()), (stack, ()), (bank, ([0, 2, -1, 0],))):
+        want = entry.add_batch_to(wide, out.copy(), *extra)
+        assert_same_bits(entry.add_batch_to(narrow, out.copy(), *extra), want)
+        if entry is not bank:   # decode too
+            assert_same_bits(entry.add_to(narrow[1], out[1].copy()), want[1])
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((3, COLS), (ROWS, 3)))
+    a_narrow = wrap(a).to(narrow.dtype) if name.startswith("torch.") else a.astype(narrow.dtype)
+    a_wide = a_narrow.float().numpy() if name.startswith("torch.") else a_narrow.astype(np.float32)
+    assert_same_bits(lora.LoraDelta(a_narrow, b).delta_weight(),
+                     lora.LoraDelta(a_wide, b).delta_weight())
+    scales = np.array([0.5, 1.5, 1.0, 2.0], np.float32)
+    s_narrow = wrap(scales).to(narrow.dtype) if name.startswith("torch.") else \
+        scales.astype(narrow.dtype)
+    assert_same_bits(bank.add_batch_to(x, out.copy(), [0, 2, -1, 0], scales=s_narrow),
+                     bank.add_batch_to(x, out.copy(), [0, 2, -1, 0], scales=scales))
+    with pytest.raises(TypeError, match="out must have dtype"):
+        d.add_batch_to(x, wrap(np.zeros((4, ROWS), np.float32)).to(narrow.dtype)
+                       if name.startswith("torch.") else np.zeros((4, ROWS), narrow.dtype))
+
+
+def test_non_float_ml_dtypes_are_refused():
+    x = np.ones((2, COLS), ml_dtypes.int4)
+    d = make_delta(np.random.default_rng(41), 2, ROWS, COLS, "float32")
+    with pytest.raises(TypeError, match="real floating array.*got dtype int4"):
+        d.add_batch_to(x, np.zeros((2, ROWS), np.float32))

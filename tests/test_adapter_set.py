@@ -132,6 +132,81 @@ def test_banks_are_live_and_free_slots_are_refused():
     assert_same_bits(out, before)
 
 
+def test_a_bank_target_must_be_a_name():
+    s = lora.AdapterSet({"a": adapter(np.random.default_rng(30), 2, SHAPES)})
+    for bad in (3, None, b"blk.0.attn_q.weight", ("blk.0.attn_q.weight",)):
+        with pytest.raises(TypeError, match="a bank's target is a base name"):
+            s.bank(bad)
+
+
+def test_a_bank_no_adapter_targets_warns_once_per_name():
+    """A misspelt target would add nothing forever: without declared targets, a UserWarning at
+    the user's line, once per name and set, when the bank is made (the set holds adapters) or
+    first called (it held none when the bank was made); the bank stays live, adding nothing
+    until an adapter targets the name."""
+    import warnings
+
+    rng = np.random.default_rng(31)
+    typo = "blk.0.attn_q.weihgt"
+    s = lora.AdapterSet({"a": adapter(rng, 2, SHAPES)})
+    with pytest.warns(UserWarning, match=r"no adapter in the set targets 'blk\.0\.attn_q\.weihgt'"
+                                         r".*did you mean 'blk\.0\.attn_q\.weight'") as got:
+        bank = s.bank(typo)
+    assert got[0].filename == __file__                         # the caller's line
+    x, out = rand(rng, (2, 40)), rand(rng, (2, 48))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # once per name: no more
+        s.bank(typo)
+        assert_same_bits(bank.add_batch_to(x, out.copy(), [0, -1]), out)
+        s.bank(Q)                                              # a name an adapter targets
+    empty = lora.AdapterSet()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        late = empty.bank(typo)                                # nothing to compare with yet
+    empty.add("a", adapter(rng, 2, SHAPES))
+    with pytest.warns(UserWarning, match="no adapter in the set targets") as got:
+        late.add_batch_to(x, out.copy(), [0, -1])
+    assert got[0].filename == __file__
+    s.add("b", adapter(rng, 3, {typo: (48, 40)}))              # the live-bank rule holds
+    assert bank.base_shape == (48, 40)
+    assert not np.array_equal(bank.add_batch_to(x, out.copy(), [1, 1]), out)
+
+
+def test_declared_targets_check_every_name():
+    """AdapterSet(targets=...): a bank name or an adapter target outside them is a KeyError
+    naming the close ones (the set unchanged); a declared name no adapter targets yet is a live
+    bank without any warning; pickles and copies keep the declaration."""
+    import copy
+    import pickle
+    import warnings
+
+    rng = np.random.default_rng(32)
+    k = "blk.0.attn_k.weight"
+    s = lora.AdapterSet({"a": adapter(rng, 2, SHAPES)}, targets=[Q, O, k])
+    assert s.declared_targets == {Q, O, k}
+    with pytest.raises(KeyError, match=r"not one of the set's declared targets; did you mean "
+                                       r"'blk\.0\.attn_q\.weight'"):
+        s.bank("blk.0.attn_q.weihgt")
+    with pytest.raises(KeyError, match=r"adapter 'b' targets 'blk\.0\.ffn_up\.weight'"):
+        s.add("b", adapter(rng, 2, {Q: (48, 40), "blk.0.ffn_up.weight": (40, 48)}))
+    with pytest.raises(KeyError, match="declared targets"):
+        s.replace("a", adapter(rng, 2, {"blk.0.ffn_up.weight": (40, 48)}))
+    assert s.names == ["a"] and s.targets == {Q, O}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bank = s.bank(k)                                       # declared, not targeted yet
+        x, out = rand(rng, (1, 40)), rand(rng, (1, 48))
+        assert_same_bits(bank.add_batch_to(x, out.copy(), [0]), out)
+    s.add("b", adapter(rng, 2, {k: (48, 40)}))
+    assert bank.base_shape == (48, 40)
+    for other in (pickle.loads(pickle.dumps(s)), copy.copy(s), copy.deepcopy(s)):
+        assert other.declared_targets == {Q, O, k} and other.names == ["a", "b"]
+    with pytest.raises(TypeError, match="base names"):
+        lora.AdapterSet(targets=[Q, 3])
+    with pytest.raises(TypeError, match="iterable"):
+        lora.AdapterSet(targets=Q)
+
+
 def test_a_loaded_adapter_joins_a_set():
     peft = lora.load_peft(os.path.join(FIXTURES, "peft_r8_alpha16"))
     s = lora.AdapterSet({"peft": peft})

@@ -199,3 +199,109 @@ def test_a_reader_that_stops_early_is_not_an_error(unbuffered):
     finally:
         os.close(write_end)
     assert proc.stderr.decode() == "" and proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def dora_files(tmp_path_factory):
+    """A DoRA adapter saved by PEFT from a Llama built from a config (q/v projections and the
+    embedding), its magnitudes moved off their initial norms, and the base model saved by
+    transformers; with each target's magnitude and its norm |W + s B A| (float64, from the
+    model's own tensors)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("dora")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False)
+    base = transformers.LlamaForCausalLM(cfg).eval()
+    base.save_pretrained(str(root / "base"))
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8, use_dora=True, init_lora_weights=False,
+        target_modules=["q_proj", "v_proj", "embed_tokens"]))
+    want = {}
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if not hasattr(m, "lora_magnitude_vector") or "default" not in m.lora_magnitude_vector:
+                continue
+            mag = m.lora_magnitude_vector["default"].weight
+            mag.mul_(torch.rand(mag.shape) + 0.5)
+            s = m.scaling["default"]
+            w = m.get_base_layer().weight.double()
+            if "default" in m.lora_embedding_A:   # [vocab, dim]: the norm of each column
+                delta = (m.lora_embedding_B["default"] @ m.lora_embedding_A["default"]).T
+                norm = (w + s * delta.double()).norm(dim=0)
+            else:
+                delta = m.lora_B["default"].weight @ m.lora_A["default"].weight
+                norm = (w + s * delta.double()).norm(dim=1)
+            want[name.removeprefix("base_model.model.")] = (mag.numpy().copy(), norm.numpy())
+    model.save_pretrained(str(root / "adapter"))
+    return root / "adapter", root / "base", want
+
+
+def _span(v):
+    return f"{float(v.min()):.4g}..{float(v.max()):.4g}"
+
+
+@pytest.mark.model
+def test_inspect_dora_shows_every_column_without_a_base(dora_files):
+    adapter, _, want = dora_files
+    res = _run("inspect", adapter)
+    assert res.returncode == 0, res.stderr
+    title = res.stdout.splitlines()[0]
+    assert title.startswith("adapter: PEFT DoRA adapter, 3 targets, alpha 8, scale 1, dtype "
+                            "float32") and "--base" in title
+    assert res.stdout.splitlines()[1].split() == ["target", "rows", "x", "cols", "rank", "alpha",
+                                                  "eff.scale", "dtype", "bytes", "magnitude"]
+    lines = _target_lines(res.stdout, want)
+    total = 0
+    for name, line in lines.items():
+        mag = want[name][0]
+        rows, cols = (96, 32) if "embed" in name else (mag.size, 32)
+        size = 4 * (rows + cols) * 4 + mag.size * 4      # the pair and the magnitude, float32
+        total += size
+        assert line.split() == [name, str(rows), "x", str(cols), "4", "8", "2", "float32",
+                                str(size), f"[{mag.size}]", _span(mag)]
+    assert f"{total} bytes" in res.stdout.splitlines()[-1]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("form", ["directory", "safetensors"])
+def test_inspect_dora_with_base_shows_the_norms(dora_files, form):
+    adapter, base, want = dora_files
+    res = _run("inspect", adapter, "--base", base if form == "directory"
+               else base / "model.safetensors")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[1].split()[-2:] == ["magnitude", "norm"]
+    for name, line in _target_lines(res.stdout, want).items():
+        mag, norm = want[name]
+        cells = line.split()
+        assert cells[-3:] == [f"[{mag.size}]", _span(mag), _span(norm)], name
+        assert _span(mag) != _span(norm)               # the norm is not the magnitude again
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("case", ["missing", "not_safetensors", "wrong_model"])
+def test_inspect_dora_with_a_bad_base_exits_2_with_one_line(dora_files, tmp_path, case):
+    adapter, _, _ = dora_files
+    if case == "missing":
+        base, why = tmp_path / "nothing_here", "no such file"
+    elif case == "not_safetensors":
+        base, why = tmp_path / "model.safetensors", "not a readable safetensors file"
+        base.write_bytes(b"not a safetensors file")
+    else:
+        from safetensors.numpy import save_file
+
+        base, why = tmp_path / "other.safetensors", "no weight for DoRA module"
+        save_file({"model.layers.0.mlp.up_proj.weight": np.ones((4, 4), np.float32)}, str(base))
+    res = _run("inspect", adapter, "--base", base)
+    assert res.returncode == 2 and res.stdout == ""
+    err = res.stderr.splitlines()
+    assert len(err) == 1 and why in err[0] and str(base) in err[0], res.stderr
+
+
+def test_inspect_a_plain_adapter_with_base_warns_that_it_is_unused(tmp_path):
+    res = _run("inspect", PEFT_DIR, "--base", PEFT_DIR)
+    assert res.returncode == 0, res.stderr
+    assert "--base is not used" in res.stderr and "LoRA adapter" in res.stdout.splitlines()[0]

@@ -244,7 +244,13 @@ def test_token_id_out_of_range(target):
             rejects(IndexError, [str(bad), f"position {pos}"], lambda: call(bad_ids, out), out)
         big = np.array(ids, np.uint64)
         big[2] = 2**64 - 1
-        rejects(IndexError, [str(2**64 - 1), "position 2"], lambda: call(big, out), out)
+        got = rejects(IndexError, [str(2**64 - 1), "position 2", f"[0, {ROWS})"],
+                      lambda: call(big, out), out)
+        # past int64 (uint64), the same wording as an int64 id out of range, valid range included
+        bad_ids = np.array(ids, np.int64)
+        bad_ids[2] = 2**62
+        want = rejects(IndexError, [], lambda: call(bad_ids, out), out)
+        assert str(got).replace(str(2**64 - 1), "ID") == str(want).replace(str(2**62), "ID")
 
 
 def test_token_id_wrong_kind(target):
@@ -301,7 +307,11 @@ def test_adapter_ids_out_of_range(bank):
         rejects(IndexError, [str(bad), f"position {pos}"],
                 lambda: bank.add_rows_to([0, 1, 2, 3], rows_out, ids), rows_out)
     big = np.array([0, 2**64 - 1, 0, 0], np.uint64)
-    rejects(IndexError, [str(2**64 - 1), "position 1"], lambda: bank.add_batch_to(x, out, big), out)
+    got = rejects(IndexError, [str(2**64 - 1), "position 1",
+                               "valid ids are -1 (no adapter) and 0..2"],
+                  lambda: bank.add_batch_to(x, out, big), out)
+    want = rejects(IndexError, [], lambda: bank.add_batch_to(x, out, [0, 2**40, 0, 0]), out)
+    assert str(got).replace(str(2**64 - 1), "ID") == str(want).replace(str(2**40), "ID")
 
 
 def test_adapter_ids_wrong_kind(bank):
@@ -397,6 +407,27 @@ def test_shape_error_names_both_shapes_and_the_base():
     with pytest.raises(lora.LoraShapeError) as info:
         lora.LoraDelta(a.reshape(4, 53, 1), b)
     assert "(4, 53, 1)" in str(info.value) and "2-D" in str(info.value)
+
+
+@pytest.mark.parametrize("a_shape, b_shape, hint", [
+    ((48,), (8, 4), "LoraDelta.from_flat"),                   # a flat lora_a
+    ((4, 48), (32,), "LoraDelta.from_flat"),                  # a flat lora_b
+    ((2, 4, 48), (8, 4), "lora.LoraExperts"),                  # a 3-D lora_a: experts
+    ((2, 4, 48), (2, 8, 4), "lora.LoraExperts"),               # a 3-D pair
+])
+def test_factors_that_are_not_2d_say_so_first(a_shape, b_shape, hint):
+    """The message opens with the rule broken (both factors 2-D), names each wrong factor's
+    shape, and points at the constructor that takes such factors; no base at rank 0 is
+    invented from them."""
+    with pytest.raises(lora.LoraShapeError) as info:
+        lora.LoraDelta(np.ones(a_shape, np.float32), np.ones(b_shape, np.float32))
+    msg = str(info.value)
+    assert msg.startswith("lora_a and lora_b must be 2-D, lora_a [rank, cols] and lora_b "
+                          "[rows, rank]; "), msg
+    for name, shape in (("lora_a", a_shape), ("lora_b", b_shape)):
+        assert (f"{name} has shape {shape}" in msg) == (len(shape) != 2), msg
+    assert hint in msg and "rank 0" not in msg
+    assert (info.value.a_len, info.value.b_len) == (int(np.prod(a_shape)), int(np.prod(b_shape)))
 
 
 def test_shape_error_two_d_constructor():

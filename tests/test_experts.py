@@ -250,6 +250,10 @@ def test_bad_input_is_refused_before_anything_is_written():
         b = ids.copy()
         b[4, 1] = bad                            # after valid ids: still nothing written
         refused(IndexError, rf"expert id {bad} at position \(4, 1\)", x, b)
+    b = ids.astype(np.uint64)
+    b[4, 1] = 2**64 - 1                          # past int64: the same wording, range included
+    refused(IndexError, rf"expert id {2**64 - 1} at position \(4, 1\) is out of range: valid "
+                        rf"ids are -1 \(no expert\) and 0\.\.{n - 1}$", x, b)
     refused(ValueError, r"out must have shape \(6, 3, 12\)", x, rng.integers(0, n, (6, 3)))
     refused(ValueError, r"x has shape \(5, 10\)", x[:5], ids)
     refused(ValueError, r"x has shape \(6, 2, 9\)", rand(rng, (6, 2, 9)), ids)
@@ -568,8 +572,9 @@ def test_adapter_set_moe_bank_and_hot_swap(isa):
     with pytest.raises(TypeError, match="MoE target"):
         aset.bank("self_attn.q_proj").add_experts_to(x, np.zeros((5, 2, 8), np.float32),
                                                      aid * 0 + 1, ids)
-    # a target no adapter holds: a live bank that adds nothing (ids still checked)
-    empty = aset.bank("mlp.experts.down_proj")
+    # a target no adapter holds: a live bank that adds nothing (ids still checked), and says so
+    with pytest.warns(UserWarning, match="no adapter in the set targets"):
+        empty = aset.bank("mlp.experts.down_proj")
     out0 = rand(rng, (5, 2, 16))
     assert_same_bits(empty.add_experts_to(x, out0.copy(), aid * 0 + 1, ids), out0)
     with pytest.raises(IndexError):

@@ -500,6 +500,27 @@ def test_lora_isa_env_bogus_warns_and_uses_best():
     assert "RuntimeWarning" in err and "bogus" in err
 
 
+@pytest.mark.parametrize("how", ["script", "module", "cli"])
+def test_lora_isa_env_warning_points_at_the_users_import(tmp_path, how):
+    """The RuntimeWarning names the line of the user's code that imported lora (a script, or a
+    module imported by one), never the import machinery or runpy; under `python -m lora` there
+    is no such line, and the command prints it as its own warning line."""
+    (tmp_path / "mine.py").write_text("import os\nimport lora\n")
+    (tmp_path / "main.py").write_text("x = 1\nimport mine\n")
+    args = {"script": [str(tmp_path / "mine.py")], "module": [str(tmp_path / "main.py")],
+            "cli": ["-m", "lora", "info"]}[how]
+    p = subprocess.run([PYTHON, *args], env=subprocess_env(LORA_ISA="bogus"), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "frozen" not in p.stderr and "runpy" not in p.stderr, p.stderr
+    if how == "cli":
+        assert len(p.stderr.splitlines()) == 1, p.stderr
+        assert p.stderr.startswith("warning: LORA_ISA='bogus' is not a known ISA path"), p.stderr
+    else:
+        assert p.stderr.startswith(f"{tmp_path / 'mine.py'}:2: RuntimeWarning: LORA_ISA='bogus'"), \
+            p.stderr
+
+
 def test_lora_isa_env_never_raises_the_choice():
     """A path this CPU cannot run (here: every one it lacks, NEON on x86) falls back to the best
     supported path with a RuntimeWarning; it never selects a path above the CPU."""

@@ -1161,10 +1161,13 @@ def test_gguf_refuses_an_unsupported_type(tmp_path, kind):
     _assert_format_error(lambda: load_gguf(path), path, "blk.0.attn_q.weight.lora_a", kind)
 
 
-@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q8_0 NaN"])
 def test_gguf_refuses_non_finite_values(tmp_path, kind):
+    """The LoraFormatError names the tensor, and nothing warns first (a Q8_0 block with an inf
+    scale and a 0 among its values: inf * 0 in a dequantization would)."""
     rng = np.random.default_rng(43)
     a = rng.standard_normal((4, 32)).astype(np.float32)
+    a[0, :3] = 0.0                                   # zeros in the first Q8_0 block
     b = rng.standard_normal((24, 4)).astype(np.float32)
     if kind == "F32":
         b[3, 1] = np.nan
@@ -1179,10 +1182,12 @@ def test_gguf_refuses_non_finite_values(tmp_path, kind):
                    ("blk.0.attn_k.weight.lora_b", b, None)]
     path = af.write_gguf(tmp_path / "nan.gguf", tensors)
     name = "blk.0.attn_q.weight.lora_b"
-    if kind == "Q8_0":
-        af.poison_q8_0_scale(path, "blk.0.attn_k.weight.lora_a")
+    if kind.startswith("Q8_0"):
+        af.poison_q8_0_scale(path, "blk.0.attn_k.weight.lora_a",
+                             np.nan if "NaN" in kind else np.inf)
         name = "blk.0.attn_k.weight.lora_a"
-    _assert_format_error(lambda: load_gguf(path), path, name, "non-finite")
+    msg = _assert_format_error(lambda: load_gguf(path), path, name, "non-finite")
+    assert "block 0" in msg or not kind.startswith("Q8_0"), msg
 
 
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.attn_q.weight.lora_c",

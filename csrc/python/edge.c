@@ -377,6 +377,8 @@ static PyMethodDef methods[] = {
      "view_of_delta(delta address, rows, cols, keep) -> the view of one delta"},
     {"plan_run", edge_plan_run, METH_VARARGS,
      "plan_run(PEFT layer plan, x) -> the output, None (declined), or (result, base)"},
+    {"plan_holds", edge_plan_holds, METH_VARARGS,
+     "plan_holds(PEFT layer plan, x) -> the base layer when the plan serves x now, else None"},
     {"setup", edge_setup, METH_VARARGS,
      "setup(ndarray, dtype pairs, int64, float64, lora_apply address)"},
     {"add_numpy_dtypes", edge_add_numpy_dtypes, METH_O, "add_numpy_dtypes(dtype pairs)"},

@@ -315,57 +315,94 @@ out:
     return miss != 0 && PyErr_Occurred() ? plan_miss() : miss;
 }
 
-/* plan_run(plan, x) -> the output, None, or (result, base): see the top of this file */
-static PyObject *edge_plan_run(PyObject *self, PyObject *args)
+/* What plan_run and plan_holds share before the base call: the plan's view into *v, x's facts
+ * (fx) and the mixed batch's ids (fi: their keep is the caller's to release), the checks of
+ * plan_check, and DoRA's watch.  0 with *base (a new reference), EDGE_DECLINE, or -2 (a Python
+ * error: NULL from the entry). */
+static int plan_before_base(PyObject *plan, PyObject *x, table_view *v, double *one, facts *fx,
+                            facts *fi, PyObject **base)
 {
-    (void)self;
-    PyObject *plan, *x;
-    if (!PyArg_UnpackTuple(args, "plan_run", 2, 2, &plan, &x))
-        return NULL;
+    *base = NULL;
+    fx->keep = fi->keep = NULL;
     if (!PyTuple_Check(plan) || PyTuple_Size(plan) != PLAN_FIELDS) {
         PyErr_SetString(PyExc_TypeError, "lora._edge: plan_run(plan tuple, x)");
-        return NULL;
+        return EDGE_ERROR;
     }
     const int64_t nd = PyLong_AsLongLong(PyTuple_GetItem(plan, PLAN_NDIM));
     PyObject *ids = PyTuple_GetItem(plan, PLAN_IDS), *watch = PyTuple_GetItem(plan, PLAN_WATCH);
-    table_view v;
-    double one;
     if (PyErr_Occurred()
-        || read_view(PyTuple_GetItem(plan, PLAN_VIEW), PyTuple_GetItem(plan, PLAN_SCALES), &v,
-                     &one) < 0)
-        return NULL;
-    lora_call *c = &v.c;
-    if (c->rows < 2 || c->cols < 2 || nd < 2 || (c->epilogues != NULL && v.epi_op != OP_BATCH)) {
+        || read_view(PyTuple_GetItem(plan, PLAN_VIEW), PyTuple_GetItem(plan, PLAN_SCALES), v,
+                     one) < 0)
+        return EDGE_ERROR;
+    lora_call *c = &v->c;
+    if (c->rows < 2 || c->cols < 2 || nd < 2 || (c->epilogues != NULL && v->epi_op != OP_BATCH)) {
         PyErr_SetString(PyExc_ValueError, "lora._edge: plan_run: a plan without its deltas");
-        return NULL;
+        return EDGE_ERROR;
     }
-    /* x: a plain contiguous CPU tensor of the plan's axes that does not require grad (which
-     * only matters in grad mode: plan_check reads it), else the Python layer takes it */
+    /* x: a plain CPU tensor of the plan's axes, its rows readable in place, that does not
+     * require grad (plan_check reads grad mode); else the Python layer takes it */
     if (E.tensor == NULL || Py_TYPE(x) != E.tensor)
-        Py_RETURN_NONE;
-    facts fx, fo, fi;
-    fx.keep = fo.keep = fi.keep = NULL;
-    int st = tensor_facts(x, 0, -1, &fx), m = EDGE_DECLINE;
+        return EDGE_DECLINE;
+    int st = tensor_facts(x, 0, -1, fx), m = EDGE_DECLINE;
     int64_t nx = 0;
-    if (st == 0 && (fx.nd != nd || rows_of(&fx, c->cols, &nx, &c->ldx) != 0
+    if (st == 0 && (fx->nd != nd || rows_of(fx, c->cols, &nx, &c->ldx) != 0
                     || attr_true(x, PN.requires_grad, &m) != 0))
         st = m == EDGE_ERROR ? EDGE_ERROR : EDGE_DECLINE;
     /* a mixed batch: one id per leading row (PEFT's length check is the Python path's) */
     if (st == 0 && ids != Py_None) {
-        if (facts_of(ids, 0, KIND_I64, &fi) != 0 || fi.nd != 1 || fi.dim[0] != fx.dim[0])
+        if (facts_of(ids, 0, KIND_I64, fi) != 0 || fi->nd != 1 || fi->dim[0] != fx->dim[0])
             st = EDGE_DECLINE;
         else
-            c->entry_ids = fi.ptr;
+            c->entry_ids = fi->ptr;
     }
-    PyObject *base = NULL;
     if (st == 0)
-        st = plan_check(plan, &base);
+        st = plan_check(plan, base);
     if (st == 0 && watch != Py_None) { /* the DoRA statistics: DoRA's own rule, in Python */
         const int held = is_true(PyObject_CallObject(watch, NULL));
         st = held == 1 ? 0 : held == 0 ? EDGE_DECLINE : miss();
     }
+    if (st != 0)
+        Py_CLEAR(*base);
+    return st;
+}
+
+/* plan_holds(plan, x) -> the base layer when the plan serves a call on x now (its checks, made
+ * without calling the base layer: a compiled graph computes the base output itself), else
+ * None */
+static PyObject *edge_plan_holds(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *plan, *x, *base = NULL;
+    if (!PyArg_UnpackTuple(args, "plan_holds", 2, 2, &plan, &x))
+        return NULL;
+    table_view v;
+    double one;
+    facts fx, fi;
+    const int st = plan_before_base(plan, x, &v, &one, &fx, &fi, &base);
+    Py_XDECREF(fx.keep);
+    Py_XDECREF(fi.keep);
+    if (st == EDGE_ERROR)
+        return NULL;
+    if (st != 0)
+        Py_RETURN_NONE;
+    return base;
+}
+
+/* plan_run(plan, x) -> the output, None, or (result, base): see the top of this file */
+static PyObject *edge_plan_run(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *plan, *x, *base = NULL;
+    if (!PyArg_UnpackTuple(args, "plan_run", 2, 2, &plan, &x))
+        return NULL;
+    table_view v;
+    double one;
+    facts fx, fo, fi;
+    fo.keep = NULL;
+    int st = plan_before_base(plan, x, &v, &one, &fx, &fi, &base), m = EDGE_DECLINE;
+    lora_call *c = &v.c;
+    const int64_t nd = fx.nd;
     if (st != 0) {
-        Py_XDECREF(base);
         Py_XDECREF(fx.keep);
         Py_XDECREF(fi.keep);
         if (st == EDGE_ERROR)
@@ -381,7 +418,6 @@ static PyObject *edge_plan_run(PyObject *self, PyObject *args)
     }
     /* the tail: a fresh plain tensor out of the stack's shape, no hooks on the base layer that
      * might keep it; else the Python tail */
-    m = EDGE_DECLINE;
     st = EDGE_DECLINE;
     if (Py_TYPE(result) != E.tensor || attr_true(base, PN.fwd_hooks, &m) != 0)
         goto tail;

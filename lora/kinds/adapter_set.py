@@ -8,7 +8,9 @@ same adapters, and the snapshot keeps every delta it uses alive until the call r
 the set changes meanwhile.
 """
 
+import difflib
 import threading
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -69,15 +71,36 @@ def _check_adapter(name, adapter):
                             f"{type(entry).__name__}, not a LoraDelta or LoraExperts")
 
 
-def _restore(slots):
-    """Unpickling (and deep copies): a set with these slots (None = free), each adapter checked
-    as `AdapterSet.add` checks it."""
-    new = AdapterSet()
+def _declared(targets):
+    """`AdapterSet(targets=...)`: None, or the frozenset of base names (str) the model has."""
+    if targets is None:
+        return None
+    if isinstance(targets, (str, bytes)) or not hasattr(targets, "__iter__"):
+        raise TypeError(f"targets must be an iterable of base names (str), such as a list or the "
+                        f"keys of a mapping; got {type(targets).__name__}")
+    names = frozenset(targets)
+    bad = next((t for t in names if not isinstance(t, str)), None)
+    if bad is not None:
+        raise TypeError(f"targets must be base names (str); got {type(bad).__name__} {bad!r}")
+    return names
+
+
+def _close(name, names):
+    """A hint naming up to three of `names` close to `name` (a misspelling), or ""."""
+    near = difflib.get_close_matches(name, list(names), n=3, cutoff=0.8)
+    return f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+
+
+def _restore(slots, targets=None):
+    """Unpickling (and deep copies): a set with these slots (None = free) and declared targets,
+    each adapter checked as `AdapterSet.add` checks it."""
+    new = AdapterSet(targets=targets)
     made = []
     for s in slots:
         if s is not None:
             name, adapter = s
             _check_adapter(name, adapter)
+            new._known(name, adapter)
             snap = _Snapshot(made)
             if name in snap.index:
                 raise ValueError(f"adapter name {name!r} is in two slots")
@@ -91,7 +114,10 @@ def _restore(slots):
 class AdapterSet(ByValue):
     """Named adapters over one base model, each in a stable slot, for mixed batches.
 
-    ``AdapterSet(adapters=None)``: an optional ``{name: LoraAdapter}``, added in order.
+    ``AdapterSet(adapters=None, *, targets=None)``: an optional ``{name: LoraAdapter}``, added in
+    order; ``targets``, optionally, the base names of the model (an iterable of str, e.g. the
+    keys of ``{name: (rows, cols)}``), which every adapter's targets and every ``bank()`` name
+    must then be among (``KeyError`` naming the close matches otherwise).
 
     - ``add(name, adapter) -> slot``: a new name (``ValueError`` for a name in use) takes the
       lowest free slot, so a slot id held from before a ``remove`` may name a newer adapter.
@@ -101,12 +127,15 @@ class AdapterSet(ByValue):
       ``-1``, no adapter; an unknown name is a ``KeyError`` naming it).
     - ``len``, ``in``, iteration (names), ``s[name]`` (the adapter), ``.names`` (slot order),
       ``.targets`` (base names any adapter targets), ``.resident_bytes``.
-    - ``bank(target)``: a live bank for one base name, with ``add_batch_to(x, out,
-      adapter_ids, scales=None)``, ``add_rows_to(ids, out, adapter_ids, scales=None)``,
-      ``add_experts_to(x, out, adapter_ids, expert_ids, scales=None)`` (a MoE target, whose
-      adapters map it to `LoraExperts`), ``base_shape`` and ``expert_shape`` (see
-      ``LoraBank``); adapter ids are slot ids.  A slot whose adapter does
-      not target that base adds nothing there; a free slot used as an id is an ``IndexError``.
+    - ``bank(target)``: a live bank for one base name (a str; ``TypeError`` otherwise), with
+      ``add_batch_to(x, out, adapter_ids, scales=None)``, ``add_rows_to(ids, out, adapter_ids,
+      scales=None)``, ``add_experts_to(x, out, adapter_ids, expert_ids, scales=None)`` (a MoE
+      target, whose adapters map it to `LoraExperts`), ``base_shape`` and ``expert_shape`` (see
+      ``LoraBank``); adapter ids are slot ids.  A slot whose adapter does not target that base
+      adds nothing there; a free slot used as an id is an ``IndexError``.  A name no adapter
+      targets adds nothing until one does: with declared ``targets`` it must be one of them
+      (``KeyError``), without, a ``UserWarning`` (once per name and set) says so, when the
+      bank is made or first called while the set holds adapters.
 
     Every adapter that targets one base name must agree on its ``(rows, cols)`` (and, for
     experts, on ``expert_shape``): ``add`` and ``replace`` refuse one that does not with a
@@ -121,12 +150,15 @@ class AdapterSet(ByValue):
     """
 
     def _parts(self):
-        """By value (lora._byvalue): the slots, ``(name, adapter)`` or None."""
-        return _restore, (list(self._snap.slots),)
+        """By value (lora._byvalue): the slots, ``(name, adapter)`` or None, and the declared
+        targets."""
+        return _restore, (list(self._snap.slots), self._targets)
 
-    def __init__(self, adapters=None):
+    def __init__(self, adapters=None, *, targets=None):
         self._lock = threading.Lock()
         self._snap = _Snapshot(())
+        self._targets = _declared(targets)
+        self._warned = set()  # bank names already warned about (no adapter targets them)
         if adapters is not None:
             if not isinstance(adapters, Mapping):
                 raise TypeError(f"adapters must be a mapping {{name: LoraAdapter}}; got "
@@ -148,9 +180,19 @@ class AdapterSet(ByValue):
                         f"{s[0]!r} in this set has it as {_shown(have)}; every adapter on one "
                         f"base must agree", rows=want[-2], cols=want[-1])
 
+    def _known(self, name, adapter):
+        """With declared targets, every target of `adapter` must be one of them."""
+        if self._targets is None:
+            return
+        for target in adapter:
+            if target not in self._targets:
+                raise KeyError(f"adapter {name!r} targets {target!r}, which is not one of the "
+                               f"set's declared targets{_close(target, self._targets)}")
+
     def add(self, name, adapter):
         """Add ``adapter`` as ``name`` in the lowest free slot; returns the slot id."""
         _check_adapter(name, adapter)
+        self._known(name, adapter)
         with self._lock:
             snap = self._snap
             if name in snap.index:
@@ -168,6 +210,7 @@ class AdapterSet(ByValue):
     def replace(self, name, adapter):
         """Swap the adapter named ``name`` for ``adapter`` in the same slot; returns the slot."""
         _check_adapter(name, adapter)
+        self._known(name, adapter)
         with self._lock:
             snap = self._snap
             slot = self._slot_of(snap, name)
@@ -236,6 +279,11 @@ class AdapterSet(ByValue):
         return set(self._snap.shapes)
 
     @property
+    def declared_targets(self):
+        """The base names given as ``targets=`` (a frozenset), or None."""
+        return self._targets
+
+    @property
     def resident_bytes(self):
         """The sum of the adapters' resident bytes (a delta shared by two adapters counts once)."""
         seen = {}
@@ -250,9 +298,31 @@ class AdapterSet(ByValue):
         return f"AdapterSet({self.names}, {len(self.targets)} targets)"
 
     def bank(self, target):
-        """A live bank for base name ``target``: it sees later changes to the set at its next
-        call, and adds nothing while no adapter targets ``target``."""
+        """A live bank for base name ``target`` (a str): it sees later changes to the set at its
+        next call, and adds nothing while no adapter targets ``target``.  ``KeyError`` for a
+        name outside the declared targets (naming the close ones); without declared targets, a
+        name no adapter of a non-empty set targets gives a ``UserWarning`` (once per name)."""
+        if not isinstance(target, str):
+            raise TypeError(f"a bank's target is a base name (a str, such as "
+                            f"'model.layers.0.self_attn.q_proj' or 'blk.0.attn_q.weight'); got "
+                            f"{type(target).__name__} {target!r}")
+        if self._targets is not None and target not in self._targets:
+            raise KeyError(f"{target!r} is not one of the set's declared targets"
+                           f"{_close(target, self._targets)}")
+        self._untargeted(self._snap, target, stacklevel=3)  # the caller's bank() line
         return _SetBank(self, target)
+
+    def _untargeted(self, snap, target, stacklevel):
+        """Warn, once per name, that no adapter of a set holding adapters targets `target` (a
+        misspelt name adds nothing, forever); declared targets have checked the name already."""
+        if (target in snap.shapes or not snap.index or self._targets is not None
+                or target in self._warned):
+            return
+        self._warned.add(target)
+        warnings.warn(f"AdapterSet.bank({target!r}): no adapter in the set targets {target!r}, so "
+                      f"its bank adds nothing until one does{_close(target, snap.shapes)} (declare "
+                      f"the model's base names, AdapterSet(targets=...), to have every name "
+                      f"checked)", UserWarning, stacklevel=stacklevel)
 
 
 class _SetBank:
@@ -283,7 +353,11 @@ class _SetBank:
         snap = self._set._snap
         if snap.has_free:
             _no_free_slot(snap, adapter_ids)
-        return snap._tables.get(self._target) or snap.table(self._target)
+        table = snap._tables.get(self._target)
+        if table is None:  # the first call on this instant of the set
+            self._set._untargeted(snap, self._target, stacklevel=4)  # the caller's call
+            table = snap.table(self._target)
+        return table
 
     def add_batch_to(self, x, out, adapter_ids, scales=None):
         """As ``LoraBank.add_batch_to``, with the set's slot ids as adapter ids."""
@@ -324,7 +398,7 @@ def _shown(shape):
 def _no_free_slot(snap, adapter_ids):
     """A free slot used as an id is an IndexError naming it (checked only while a set has
     holes: the common case costs nothing)."""
-    ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True)
+    ids = arrays.as_ids(adapter_ids, "adapter_ids", any_shape=True, bound=snap.free.size)
     flat = ids.reshape(-1)
     inside = (flat >= 0) & (flat < snap.free.size)
     hit = np.flatnonzero(inside & snap.free[np.where(inside, flat, 0)])

@@ -71,19 +71,29 @@ def _base_shape(base_shape):
 
 
 def _pair_error(a, b, rank, rows, cols, base_shape):
-    """The LoraShapeError for a 2-D pair that does not fit: the fixed wording first, then both
-    shapes as given, the base's, and a hint when the two look swapped or transposed."""
+    """The LoraShapeError for a pair that does not fit: factors that are not 2-D say so first
+    (3-D ones are routed experts: `LoraExperts`; flat ones: `from_flat`); a 2-D pair gets the
+    fixed wording first, then both shapes as given, the base's, and a hint when the two look
+    swapped or transposed."""
+    if a.ndim != 2 or b.ndim != 2:
+        got = ", ".join(f"lora_{n} has shape {tuple(f.shape)} ({f.ndim}-D)"
+                        for n, f in (("a", a), ("b", b)) if f.ndim != 2)
+        if 3 in (a.ndim, b.ndim):
+            got += ("; a 3-D pair, lora_a [n_experts, rank, cols] and lora_b [n_experts, rows, "
+                    "rank], holds routed experts: use lora.LoraExperts")
+        elif min(a.ndim, b.ndim) < 2:
+            got += "; for flat buffers: LoraDelta.from_flat(a, b, rank, rows, cols)"
+        return LoraShapeError(f"lora_a and lora_b must be 2-D, lora_a [rank, cols] and lora_b "
+                              f"[rows, rank]; {got}", a_len=a.size, b_len=b.size)
     err = LoraShapeError.for_pair(rows, cols, rank, a.size, b.size)
     pair = f"got lora_a {a.shape} as [rank, cols] and lora_b {b.shape} as [rows, rank]"
     hints = []
-    if base_shape is not None and a.ndim == 2 and b.ndim == 2 and a.shape[0] == b.shape[1]:
+    if base_shape is not None and a.shape[0] == b.shape[1]:
         hints.append(f"the pair is [{b.shape[0]} x {a.shape[1]}] at rank {a.shape[0]}, the base "
                      f"given is {tuple(base_shape)}")
     elif base_shape is not None:
         hints.append(f"the base given is {tuple(base_shape)}")
-    if a.ndim != 2 or b.ndim != 2:
-        hints.append("lora_a and lora_b must be 2-D (LoraDelta.from_flat takes flat buffers)")
-    elif a.shape[0] != b.shape[1]:
+    if a.shape[0] != b.shape[1]:
         if a.shape[1] == b.shape[0]:
             hints.append("lora_a and lora_b swapped? (lora_a is [rank, cols], lora_b "
                          "[rows, rank])")

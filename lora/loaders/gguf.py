@@ -154,8 +154,27 @@ def _gguf_array(tensor, path):
         # The reader exposes BF16 as raw bytes [rows, 2 * cols]; reinterpret, copying once.
         return np.array(tensor.data).view(np.uint16).view(ml_dtypes.bfloat16)
     if tt == T.Q8_0:
+        _q8_0_scales_finite(tensor, path)
         return dequantize(tensor.data, T.Q8_0)      # float32, ggml's own dequantization
     raise AssertionError(tt)  # unreachable: types are filtered before reading
+
+
+def _q8_0_scales_finite(tensor, path):
+    """A Q8_0 block is a float16 scale d and 32 int8 values q (value d * q): a block whose d is
+    inf or NaN makes every value of it non-finite, refused here by its block index before
+    dequantizing (where inf * 0 would also raise NumPy's "invalid value" warning)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    _, block_bytes = GGML_QUANT_SIZES[T.Q8_0]
+    raw = np.ascontiguousarray(tensor.data).reshape(-1)
+    if raw.size % block_bytes:
+        return  # not whole blocks: the dequantization says what is wrong
+    d = raw.reshape(-1, block_bytes)[:, :2].copy().view("<f2").reshape(-1)
+    bad = np.flatnonzero(~np.isfinite(d))
+    if bad.size:
+        raise format_error(path, f"holds {bad.size} Q8_0 block(s) whose scale is not finite "
+                                 f"(block {int(bad[0])}: {d[bad[0]]}), so is every value of such "
+                                 f"a block: non-finite values (inf or NaN)", tensor=tensor.name)
 
 
 def load_gguf(path, *, scale=1.0, dtype=None):

@@ -225,7 +225,7 @@ def _refuse_a_non_adapter(weights_path, cfg_path):
                            "there is no adapter_config.json beside it")
 
 
-def _peft_parse(weights_path, cfg_path, shapes=None, base=None):
+def _peft_parse(weights_path, cfg_path, shapes=None, base=None, *, need_base=True):
     from safetensors import safe_open
 
     _refuse_a_non_adapter(weights_path, cfg_path)
@@ -298,7 +298,8 @@ def _peft_parse(weights_path, cfg_path, shapes=None, base=None):
     order, params = _experts.take_param_targets(weights_path, cfg_path, cfg, halves, kinds, order,
                                                 shapes, _peft_pattern_key)
 
-    dora_bases = _dora_bases(weights_path, cfg_path, cfg, order, kinds, magnitudes, params, base)
+    dora_bases = _dora_bases(weights_path, cfg_path, cfg, order, kinds, magnitudes, params, base,
+                             need_base)
 
     # Pairing, ranks and scales for every module before any value is read.
     plan = []
@@ -378,18 +379,20 @@ def _read_pair(fh, weights_path, ka, kb):
     return [_read_tensor(fh, weights_path, key) for key in (ka, kb)]
 
 
-def _dora_bases(weights_path, cfg_path, cfg, order, kinds, magnitudes, params, base):
+def _dora_bases(weights_path, cfg_path, cfg, order, kinds, magnitudes, params, base,
+                need_base=True):
     """{module: its base weight in our layout [rows, cols]} for a DoRA file (``use_dora``), from
     ``base=`` (keys: the module name, with or without ``.weight``, PEFT's ``base_model.model.``
     and ``.base_layer`` wrappers allowed; a ``fan_in_fan_out`` weight [in, out] is taken through
-    its transposed view); {} for a plain file.  LoraFormatError for a DoRA file without ``base``,
-    a module without its magnitude or its base weight."""
+    its transposed view); {} for a plain file.  LoraFormatError for a DoRA file without ``base``
+    (unless not `need_base`: then {module: None}, the file checked as far as it goes alone), a
+    module without its magnitude or its base weight."""
     if not cfg["use_dora"]:
         return {}
     if params:
         raise format_error(cfg_path, "unsupported: DoRA (use_dora) on target_parameters (the "
                            "experts of MoE layers)", key="use_dora")
-    if base is None:
+    if base is None and need_base:
         raise format_error(cfg_path, "a DoRA adapter (use_dora) needs the base weights, which its "
                            "norms are taken over: pass base= (e.g. load_peft(path, "
                            "base=model.state_dict()), or {module name: weight})", key="use_dora")
@@ -397,6 +400,12 @@ def _dora_bases(weights_path, cfg_path, cfg, order, kinds, magnitudes, params, b
         if module not in kinds:
             raise format_error(weights_path, f"a DoRA magnitude for module '{module}', which has "
                                f"no lora_A/lora_B pair", tensor=key)
+    if base is None:
+        for module in order:
+            if module not in magnitudes:
+                raise format_error(weights_path, f"DoRA module '{module}' has no "
+                                   f"lora_magnitude_vector (use_dora is set)")
+        return dict.fromkeys(order)
     values = {}
     for key, value in base.items():  # base_shapes checked the mapping and its keys
         values.setdefault(_experts._unwrapped(key), value)
@@ -431,6 +440,38 @@ def _np_storage(dt):
     if code is None:  # pragma: no cover - dtypes are filtered by the header pass
         raise AssertionError(dt)
     return dtypes.NAME_OF[code]
+
+
+def inspect_peft(path, *, scale=1.0, dtype=None, base=None):
+    """What ``python -m lora inspect`` shows of a PEFT adapter: ``(adapter, magnitudes)``, with
+    ``magnitudes`` ``{module: float32 magnitude vector}`` for a DoRA file ({} otherwise).  With
+    ``base`` this is `load_peft`'s adapter (`DoraDelta` entries, which hold the norms); without
+    it a DoRA file's pairs are plain `LoraDelta` entries (their norms need the base), checked
+    as `load_peft` checks them."""
+    if base is not None:
+        adapter = load_peft(path, scale=scale, dtype=dtype, base=base)
+        return adapter, {k: d.magnitude for k, d in adapter.items() if hasattr(d, "magnitude")}
+    storage = storage_arg(dtype)
+    shared = scale_arg(scale)
+    weights_path, cfg_path, name = _peft_paths(path)
+    cfg, pairs, unmatched = _peft_parse(weights_path, cfg_path, need_base=False)
+    magnitudes = {}
+    for p in pairs:
+        if p.dora is not None:
+            mag, _, embedding, key = p.dora
+            want = p.a.shape[1] if embedding else p.b.shape[0]  # cols (embedding) or rows
+            if mag.shape != (want,):
+                raise format_error(weights_path, f"a DoRA magnitude of module '{p.name}' must "
+                                   f"have {want} values (one per "
+                                   f"{'column' if embedding else 'output row'}); got "
+                                   f"{list(mag.shape)}", tensor=key)
+            magnitudes[p.name] = np.asarray(mag, dtype=np.float32)
+            p.dora = None
+    adapter = build_adapter(pairs, path=weights_path, name=name, alpha=cfg["lora_alpha"],
+                            scale=shared, dtype=storage,
+                            invocation_tokens=cfg["alora_invocation_tokens"])
+    _warn_unmatched(cfg_path, weights_path, unmatched)
+    return adapter, magnitudes
 
 
 def load_peft(path, *, scale=1.0, dtype=None, base=None):
@@ -496,7 +537,11 @@ def load_peft(path, *, scale=1.0, dtype=None, base=None):
     adapter = build_adapter(pairs, path=weights_path, name=name, alpha=cfg["lora_alpha"],
                             scale=shared, dtype=storage,
                             invocation_tokens=cfg["alora_invocation_tokens"])
-    for which, key in unmatched:
-        warnings.warn(f"{os.fspath(cfg_path)}: {which} key {key!r} matches no module in "
-                      f"{weights_path.name}; it is ignored", UserWarning, stacklevel=2)
+    _warn_unmatched(cfg_path, weights_path, unmatched)
     return adapter
+
+
+def _warn_unmatched(cfg_path, weights_path, unmatched):
+    for which, key in unmatched:  # stacklevel: the caller of load_peft / inspect_peft
+        warnings.warn(f"{os.fspath(cfg_path)}: {which} key {key!r} matches no module in "
+                      f"{weights_path.name}; it is ignored", UserWarning, stacklevel=3)

@@ -37,10 +37,11 @@ import inspect
 
 from .. import _dtypes as dtypes
 from .._entries import EntryTable
-from .accelerate import ServedLayer, hook_reason
 from ..kinds.delta import LoraDelta
 from ..kinds.experts import LoraExperts
 from ..scale import F32_OVERFLOW, LoraScale
+from ._torch_ops import compiling as _compiling, eager as _eager
+from .accelerate import ServedLayer, hook_reason, version
 
 __all__ = ["Kind", "Layer"]
 
@@ -177,7 +178,7 @@ class _Level:
         if got is None:
             got = self.adapters[a] = _Adapter()
         a_key = (ta.data_ptr(), ta.dtype, tuple(ta.shape), ta.stride())
-        b_key = (tb.data_ptr(), _version(tb), _SWAPS[0], tb.dtype, tuple(tb.shape), tb.stride())
+        b_key = (tb.data_ptr(), version(tb), _SWAPS[0], tb.dtype, tuple(tb.shape), tb.stride())
         if got.a_key == a_key and got.b_key == b_key:
             return got.experts
         name = dtypes.NAME_OF.get(dtypes.torch_codes().get(ta.dtype))
@@ -298,6 +299,11 @@ class Layer(ServedLayer):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x, *args, **kwargs):
+        if _compiling():  # torch.compile traces this call: the experts forward is not traceable
+            return _eager(self._forward, x, *args, **kwargs)  # (cffi calls): one graph break
+        return self._forward(x, *args, **kwargs)
+
+    def _forward(self, x, *args, **kwargs):
         acc = self.acc
         adapter_names = kwargs.get("adapter_names")
         why = self.why
@@ -477,16 +483,6 @@ class Layer(ServedLayer):
             return
         table, seq = terms
         table.apply_experts(x, out, ids_g, seq.index_select(0, seq_g))
-
-
-def _version(t):
-    """The tensor's version counter; None for an inference tensor (made under
-    ``torch.inference_mode()``), which keeps none: its in-place changes need ``refresh()``, as
-    ``.data`` writes do."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def _grouped_ok(x, wt):

@@ -18,20 +18,22 @@ before the DoRA terms and put back after.
 import numpy as np
 
 from .. import _arrays as arrays
-from .. import _torch as torchs
-from .. import _edge
 from .. import _dtypes as dtypes
+from .. import _edge
+from .. import _torch as torchs
 from .._entries import EntryTable
-from .accelerate import ServedLayer, hook_reason
 from ..kinds.delta import LoraDelta
 from ..kinds.dora import DoraDelta
-from ..scale import F32_OVERFLOW, LoraScale
 from ..kinds.stack import LoraStack
+from ..scale import F32_OVERFLOW, LoraScale
+from ._torch_ops import compiling as _compiling, eager as _eager, term as _op
+from .accelerate import ServedLayer, hook_reason, version
 
 __all__ = ["Kind", "Layer", "Plan"]
 
 _CALLED = ("lora_dropout", "lora_A", "lora_B")  # the ModuleDicts a Linear's forward calls into
 _plan_run = _edge.plan_run
+_plan_holds = _edge.plan_holds
 _CODE_PAIRS = {}  # (A dtype code, B dtype code) tuples, shared by every plan
 
 
@@ -208,7 +210,7 @@ class Layer(ServedLayer):
         m = self.module
         w = m.get_base_layer().weight
         mag = m.lora_magnitude_vector[a].weight
-        key = (id(view),) + tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype)
+        key = (id(view),) + tuple((t.data_ptr(), version(t), tuple(t.shape), t.stride(), t.dtype)
                                   for t in (w, mag, ta, tb))
         got = self.doras.get(a)
         if got is not None and got[0] == key:
@@ -358,6 +360,8 @@ class Layer(ServedLayer):
         return None
 
     def forward(self, x, *args, **kwargs):
+        if _compiling():  # torch.compile is tracing this call
+            return self._traced(x, *args, **kwargs)
         if not args:
             if not kwargs:
                 plan = self.plan
@@ -380,25 +384,99 @@ class Layer(ServedLayer):
                         self.mixed.pop(key, None)  # another thread may have dropped it
         return self._forward(x, *args, **kwargs)
 
-    def _forward(self, x, *args, **kwargs):
-        """PEFT's forward logic with the LoRA term from the kernels; leaves a `Plan` behind for
-        the common case (plain active adapters, nothing in kwargs) so the next call is short."""
+    def _traced(self, x, *args, **kwargs):
+        """The forward as ``torch.compile`` traces it: the base layer, then the LoRA term as one
+        call of the custom op (`lora._torch_ops`), which runs `term_into` with the kernels when
+        the compiled graph runs.  A call with other arguments (aLoRA offsets, extra base-layer
+        arguments), with adapters disabled, or on an input the op does not take goes to the
+        eager forward (one graph break); under autograd, to PEFT's own forward, traced as
+        PEFT's."""
         m = self.module
-        acc = self.acc
-        if not acc._active:  # pragma: no cover - restore() removed the patch
+        torch = self.acc._torch
+        names = kwargs.get("adapter_names")
+        if torch.is_grad_enabled() and (
+                getattr(x, "requires_grad", False)
+                or any(p.requires_grad for p in m.parameters())):
+            self.acc._status[self.name] = "autograd is recording (compiled: PEFT's forward)"
             return self.original(x, *args, **kwargs)
-        adapter_names = kwargs.get("adapter_names")
-        if adapter_names is None:  # a mixed call leaves the active adapters' plan alone
+        if (self.acc._active and not args and len(kwargs) == (names is not None)
+                and (names is None or (isinstance(names, (list, tuple))
+                                       and all(isinstance(a, str) for a in names)))
+                and isinstance(x, torch.Tensor) and x.is_cpu
+                and x.dim() >= (2 if self.linear else 1) and not m.disable_adapters):
+            result = m.base_layer(x)
+            if result is x and names is None:  # PEFT's result + term leaves x as it was (a
+                result = result.clone()         # mixed batch adds in place, into x too)
+            _op(x, result, id(m), list(names) if names is not None else None)
+            return result
+        return _eager(self._forward, x, *args, **kwargs)
+
+    def term_into(self, x, out, adapter_names):
+        """Add this call's LoRA term into ``out``, the base layer's output for ``x``, in place:
+        the eager forward's steps after its base call (the kernels, or PEFT's own sum where the
+        kernels do not serve the call, with ``.skipped`` saying why).  The custom op's CPU
+        implementation: what a compiled graph runs."""
+        m = self.module
+        if adapter_names is None:
+            plan = self.plan
+            base = plan.holds(x) if plan is not None else None
+            if base is not None:  # the short path, after the base call
+                got = plan._tail(x, out, base)
+                if got is not out:
+                    out.copy_(got)
+                return
             self.plan = None
+        else:
+            self._check_args(x, (), {"adapter_names": adapter_names}, adapter_names)
+        if m.disable_adapters or (m.merged and adapter_names is None):
+            self.acc._status[self.name] = None  # the base layer's output is the whole result
+            return
+        if self.acc._active:
+            names, why = self._prepare(x, adapter_names)
+        else:  # restore() ran after the graph was traced: PEFT's own sum
+            names, why = self._names(adapter_names), "restored"
+        if why is None and names and not self.takes(x, out, names):
+            why = "the base layer's output is not one the kernels add into"
+        if why is not None:
+            if adapter_names is not None:
+                got = self.peft_mixed_tail(x, out, adapter_names, None, {})
+            else:
+                got = self.peft_tail(x, out, names, None, {})
+            if self.acc._active:
+                self.skip(why)
+            if got is not out:
+                out.copy_(got)
+            return
+        if names:
+            fresh = _writable(out, x, m.base_layer, self.acc._module_globals)
+            if adapter_names is not None:
+                self._mixed(x, fresh, adapter_names, names, None)
+            else:
+                self._active(x, fresh, names, None)
+                self._leave_plan(x, names)
+            if fresh is not out:
+                out.copy_(fresh)
+        self.acc._status[self.name] = None
+
+    def _names(self, adapter_names):
+        """The adapters of this call that the layer holds, in PEFT's order: the active ones, or
+        those `adapter_names` names (a mixed batch)."""
+        m = self.module
+        keys = m.lora_A if self.linear else m.lora_embedding_A
+        if adapter_names is not None:
+            return [a for a in dict.fromkeys(adapter_names) if a != "__base__" and a in keys]
+        return [a for a in m.active_adapters if a in keys]
+
+    def _prepare(self, x, adapter_names):
+        """(the adapters of this call, in PEFT's order; why PEFT must compute it, or None), with
+        each adapter's view (and DoRA statistics) made current and its scale set."""
+        m = self.module
         keys = m.lora_A if self.linear else m.lora_embedding_A
         if len(self.views) > len(keys):  # deleted adapters: let their memory go
             for a in [a for a in self.views if a not in keys]:
                 del self.views[a]
             self.tables.clear()
-        if adapter_names is not None:
-            names = [a for a in dict.fromkeys(adapter_names) if a != "__base__" and a in keys]
-        else:
-            names = [a for a in m.active_adapters if a in keys]
+        names = self._names(adapter_names)
         why = self.reason(x, names) if not m.disable_adapters else None
         if why is None and names:
             views = [self.view(a) for a in names]
@@ -410,6 +488,19 @@ class Layer(ServedLayer):
                         why = f"adapter {a!r} scaling {scale!r} is not finite in float32"
                         break
                     v.scale.set(scale)
+        return names, why
+
+    def _forward(self, x, *args, **kwargs):
+        """PEFT's forward logic with the LoRA term from the kernels; leaves a `Plan` behind for
+        the common case (plain active adapters, nothing in kwargs) so the next call is short."""
+        m = self.module
+        acc = self.acc
+        if not acc._active:  # pragma: no cover - restore() removed the patch
+            return self.original(x, *args, **kwargs)
+        adapter_names = kwargs.get("adapter_names")
+        if adapter_names is None:  # a mixed call leaves the active adapters' plan alone
+            self.plan = None
+        names, why = self._prepare(x, adapter_names)
         result_dtype_ok = True
         if why is not None:
             self.skip(why)
@@ -453,12 +544,8 @@ class Layer(ServedLayer):
                 if (self.linear and x.dim() == 1
                         and any(m.use_dora.get(a, False) for a in names)):
                     result = result.unsqueeze(0)  # PEFT's DoRA term is [1, out]: it broadcasts
-                if (self.linear and not args and not kwargs and x.dim() > 1
-                        and alora_offsets is None and not any(self._is_alora(a) for a in names)
-                        and not (any(m.use_dora.get(a, False) for a in names)
-                                 and getattr(m.get_base_layer(), "bias", None) is not None)):
-                    plan = Plan(self, names, x.dim())
-                    self.plan = plan if plan.ok else None
+                if not args and not kwargs and alora_offsets is None:
+                    self._leave_plan(x, names)
         if not result_dtype_ok:  # a mixed batch without adapters here, of a dtype the kernels
             # do not write: PEFT computes it
             self.skip(f"the layer's output is {result.dtype}")
@@ -468,6 +555,17 @@ class Layer(ServedLayer):
             return self.original(x, *args, **kwargs)
         acc._status[self.name] = None
         return result
+
+    def _leave_plan(self, x, names):
+        """After a full-path call on the active adapters `names` (no other arguments), the
+        short path for the next one, when there is one: Linear layers, a batched x, no aLoRA
+        adapter, no DoRA adapter on a layer with a bias."""
+        m = self.module
+        if (self.linear and x.dim() > 1 and not any(self._is_alora(a) for a in names)
+                and not (any(m.use_dora.get(a, False) for a in names)
+                         and getattr(m.get_base_layer(), "bias", None) is not None)):
+            plan = Plan(self, names, x.dim())
+            self.plan = plan if plan.ok else None
 
     def takes(self, x, result, names):
         """Whether the kernels add a Linear layer's term into the base layer's `result` (in
@@ -753,7 +851,7 @@ class Plan:
                 mag = m.lora_magnitude_vector[a]
                 ts = (weight, mag._parameters["weight"], pa, pb)
                 watch.append((a, mag, type(mag), ts,
-                              tuple((t.data_ptr(), t._version) for t in ts)))
+                              tuple((t.data_ptr(), version(t)) for t in ts)))
         self.dora = tuple(watch)
         self.hooks = layer.acc._module_globals
         try:
@@ -778,6 +876,11 @@ class Plan:
             return self._tail(x, got[0], got[1])
         return got
 
+    def holds(self, x):
+        """The base layer, when this (active adapters') plan serves a call on x now: the short
+        path's checks, in C, made before the base call (and without it); else None."""
+        return _plan_holds(self.c, x) if self.c is not None and self.ids is None else None
+
     def _held(self):
         """Whether what the DoRA statistics were made from is still what they read: the
         magnitude modules (the same objects of the same classes, no hooks on them, no forward
@@ -791,7 +894,7 @@ class Plan:
             if (mags.get(a) is not mag or type(mag) is not tym or "forward" in mag.__dict__
                     or ts[0] is not weight or mag._parameters.get("weight") is not ts[1]
                     or mag._forward_hooks or mag._forward_pre_hooks
-                    or any((t.data_ptr(), t._version) != v for t, v in zip(ts, seen))
+                    or any((t.data_ptr(), version(t)) != v for t, v in zip(ts, seen))
                     or (grad and ts[1].requires_grad)):
                 return False
         return True

@@ -81,10 +81,12 @@ def accelerate_peft(model):
     """Put lora-kernels under every PEFT LoRA ``Linear`` and ``Embedding`` layer of ``model``.
 
     ``model``: a ``peft.PeftModel``, or any ``torch.nn.Module`` holding PEFT LoRA layers.
-    Returns a ``PeftAcceleration``: ``.restore()`` puts PEFT's own forward back (also on leaving
-    ``with lora.accelerate_peft(model): ...``); ``.accelerated`` lists the layers the kernels
-    serve and ``.skipped`` maps the others to the reason (as of the last forward; before any
-    forward, as of this call); ``.refresh()`` forgets anything derived from the weights.
+    Needs torch and PEFT (``pip install "lora-kernels[peft]"``; an ``ImportError`` saying so
+    without them).  Returns a ``PeftAcceleration``: ``.restore()`` puts PEFT's own forward back
+    (also on leaving ``with lora.accelerate_peft(model): ...``); ``.accelerated`` lists the
+    layers the kernels serve and ``.skipped`` maps the others to the reason (as of the last
+    forward; before any forward, as of this call); ``.refresh()`` forgets anything derived from
+    the weights.
 
     PEFT LoRA on MoE experts (``target_parameters``: PEFT's ``ParamWrapper`` on an experts module
     of transformers' experts interface) is served by an experts forward of lora-kernels' own,
@@ -108,9 +110,12 @@ def accelerate_peft(model):
     ``disable_adapter``, merges, ``scaling`` changes and weight changes are read at every call.
 
     The LoRA term is computed in float32 from PEFT's tensors as they are stored (read in place, no
-    copies) and rounded once into the layer's output dtype.  ``TypeError`` for something that is
-    not a ``torch.nn.Module``; ``ValueError`` for a model without any PEFT LoRA ``Linear`` /
-    ``Embedding`` layer, or one already accelerated (``restore()`` it first).
+    copies) and rounded once into the layer's output dtype.  ``torch.compile`` of the model
+    keeps the kernels: a served layer traces as its base layer and one call of the custom op
+    ``lora_kernels::peft_lora_term`` (MoE experts and aLoRA calls: one graph break each).
+    ``TypeError`` for something that is not a ``torch.nn.Module``; ``ValueError`` for a model
+    without any PEFT LoRA ``Linear`` / ``Embedding`` layer, or one already accelerated
+    (``restore()`` it first).
     """
     return PeftAcceleration(model)
 
@@ -121,9 +126,13 @@ class PeftAcceleration:
     restores on exit.  Built only by ``accelerate_peft``."""
 
     def __init__(self, model):
-        import torch
-        from peft.tuners.lora import layer as lora_layer
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        try:
+            import torch
+            from peft.tuners.lora import layer as lora_layer
+            from peft.tuners.tuners_utils import BaseTunerLayer
+        except ImportError as exc:
+            raise ImportError(f"accelerate_peft needs torch and PEFT (with transformers), the "
+                              f"'peft' extra: pip install \"lora-kernels[peft]\" ({exc})") from exc
 
         self._torch = torch
         self._module_globals = torch.nn.modules.module  # where torch keeps global module hooks
@@ -142,9 +151,9 @@ class PeftAcceleration:
         self._covered = weakref.WeakSet()  # inner modules a served layer answers for
         self._status = {}  # module name -> None (accelerated) or the reason it is skipped
         self._active = True
-        self._fingerprint = object()
+        self._fingerprint = None  # what the last scan saw: the adapters and the layers served
         self._hooks = []
-        self._scan(model)
+        self._rescan(model)
         if not self._layers:
             self._active = False
             raise ValueError("accelerate_peft: the model has no PEFT LoRA Linear or Embedding "
@@ -181,9 +190,11 @@ class PeftAcceleration:
         them again.  Needed only after a raw ``.data`` write to a MoE experts' ``lora_B`` (its
         repacked copy is keyed on the version counter and the data pointer, which such a write
         moves neither of; PEFT's hotswap is seen without it), or to a DoRA layer's base weight,
-        ``lora_A`` / ``lora_B`` or magnitude (its statistics are keyed the same way).  Other
-        changes made through the parameters (in place, through ``.data``, or by replacing them)
-        are seen at the next call anyway."""
+        ``lora_A`` / ``lora_B`` or magnitude (its statistics are keyed the same way), and after
+        an in-place write to such a tensor when it is an inference tensor (made under
+        ``torch.inference_mode()``: it has no version counter).  Other changes made through the
+        parameters (in place, through ``.data``, or by replacing them) are seen at the next call
+        anyway."""
         for layer in self._layers.values():
             layer.refresh()
 
@@ -222,9 +233,18 @@ class PeftAcceleration:
         config = getattr(model, "peft_config", None)
         fingerprint = (tuple(config), len(self._layers)) if isinstance(config, dict) else None
         if fingerprint is None or fingerprint != self._fingerprint:
-            self._scan(model)
-            self._fingerprint = (tuple(config), len(self._layers)) if isinstance(config, dict) \
-                else None
+            from ._torch_ops import compiling, eager
+
+            # under torch.compile, the scan (which patches modules) runs in Python, outside
+            # the graph; the check above is traced, so a model whose adapters did not change
+            # has no graph break here
+            (eager if compiling() else _call)(self._rescan, model)
+
+    def _rescan(self, model):
+        self._scan(model)
+        config = getattr(model, "peft_config", None)
+        self._fingerprint = (tuple(config), len(self._layers)) if isinstance(config, dict) \
+            else None
 
     def _scan(self, model):
         for name, module in model.named_modules():
@@ -241,6 +261,10 @@ class PeftAcceleration:
                                       f"Embedding layer")
             elif isinstance(module, self._tuner_layer_type) and name not in self._status:
                 self._status[name] = f"{type(module).__name__} is not a LoRA layer"
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 def _layer_kinds(acc):
@@ -270,6 +294,16 @@ def hook_reason(acc, module, parts, names):
                 return (f"{part}[{a!r}] has forward hooks (PEFT's forward runs while they are "
                         f"registered)")
     return None
+
+
+def version(t):
+    """What the derived data kept of tensor ``t`` is keyed on besides its data pointer: its
+    version counter, which in-place changes through the tensor move; None for an inference
+    tensor (made under ``torch.inference_mode()``), which has none.  An inference tensor can be
+    changed in place only inside inference mode, and nothing counts such a change: like a raw
+    ``.data`` write, it is seen after ``acc.refresh()`` (a new tensor in its place -- a new
+    adapter, a merge, ``.data = t`` -- moves the data pointer, and is seen at the next call)."""
+    return None if t.is_inference() else t._version
 
 
 class ServedLayer:
