@@ -39,6 +39,7 @@ from ._vllm_plugin import ENTRY_POINT, SUPPORTED, disabled_by_env, in_range, sup
 from ._runtime import get_num_threads, set_num_threads
 from .bank import LoraBank
 from .delta import LoraDelta
+from .experts import LoraExperts
 from .scale import LoraScale
 
 __all__ = ["PunicaWrapper", "register", "stats", "SUPPORTED", "ENTRY_POINT"]
@@ -100,6 +101,9 @@ def register():
             reason = f"vLLM's platform is {platform_cls.__name__}, not its CPU platform"
     if reason is None:
         platform_cls.get_punica_wrapper = classmethod(_qualname)
+        from . import _vllm_moe
+
+        _vllm_moe.install()   # expert LoRA: vLLM's MoE LoRA backend choice on the CPU
     decision = ("lora-kernels serves vLLM's CPU LoRA: " + QUALNAME if reason is None
                 else f"lora-kernels plug-in inactive ({reason}): vLLM's own LoRA wrapper runs")
     if _registered != decision:
@@ -183,6 +187,35 @@ class _Views:
 
 
 _ONE = LoraScale(1.0)   # vLLM folds alpha/r into B; a call's own `scale` goes per position
+
+
+class _ExpertViews:
+    """A `LoraBank` of `LoraExperts` over one MoE layer's stacked expert slots (``a``
+    ``[slots, E, r_max, in]``, ``b`` ``[slots, E, out, r_max]``), one entry per slot, each
+    expert a `LoraDelta` view of its memory; kept and rebuilt as `_Views`."""
+
+    __slots__ = ("key", "bank", "keep")
+
+    def __init__(self, a4, b4):
+        self.key = _key(a4, b4)
+        name = _storage(a4)
+        entries = []
+        for s in range(a4.shape[0]):
+            ranks = _ranks(a4[s], b4[s]) if TRIM_RANK else [a4.shape[2]]
+            rank = max(ranks)
+            if rank == 0:
+                entries.append(None)
+                continue
+            deltas = []
+            for e in range(a4.shape[1]):
+                a, b = a4[s, e], b4[s, e]
+                deltas.append(LoraDelta.view((a.data_ptr(), a.stride(0)),
+                                             (b.data_ptr(), b.stride(0)), dtype=name,
+                                             rank=rank, rows=b.shape[0], cols=a.shape[1],
+                                             b_by_row=True, scale=_ONE, keep=(a, b)))
+            entries.append(LoraExperts._from_deltas(deltas))
+        self.bank = LoraBank(entries)
+        self.keep = (a4, b4)
 
 
 def _key(a3, b3):
@@ -280,6 +313,74 @@ class PunicaWrapper(PunicaWrapperCPU):
         self._served(method, why, lambda: _torch_slice(kind, out, x, _s3(a), _s3(b), ids, scale,
                                                        assign))
 
+    def _experts(self, method, out, x, a, b, ids, experts, scales):
+        """One expert slice: ``out[t, j] += scales[t, j] * B_{s,e} (A_{s,e} x)`` with ``s`` the
+        token's slot and ``e = experts[t, j]`` (-1: none)."""
+        why = _cannot_experts(out, x, a, b)
+        if why is None:
+            try:
+                got = self._views.get(("experts", id(a), id(b)))
+                if got is None or got.key != _key(a, b):
+                    got = self._views[("experts", id(a), id(b))] = _ExpertViews(a, b)
+                if scales is None:
+                    got.bank.add_experts_to(x, out, ids, experts)
+                else:
+                    got.bank.add_experts_to(x, out, ids.unsqueeze(1).expand_as(experts)
+                                            .contiguous(), experts, scales)
+                _count("kernels:" + method)
+                return
+            except (TypeError, ValueError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+        self._served(method, why, lambda: _torch_experts(out, x, a, b, ids, experts, scales))
+
+    def _moe_ids(self, token_lora_mapping, topk_ids, expert_map, n):
+        ids = self.token_lora_indices if token_lora_mapping is None else token_lora_mapping
+        ids = self._ids(ids.long(), n)
+        experts = topk_ids.long() if expert_map is None else expert_map[topk_ids.long()].long()
+        return ids, experts
+
+    def add_lora_w13(self, y, x, lora_a_stacked, lora_b_stacked, topk_ids, topk_weights,
+                     expert_map, w1, w2, num_tokens, top_k_num, max_loras, adapter_enabled,
+                     local_num_experts, top_k, num_slices, fully_sharded, use_tuned_config,
+                     add_inputs=True, token_lora_mapping=None):
+        """The gate/up LoRA of routed experts: ``y [T, k, N]`` (before the activation) gets,
+        per slice at its column offset, ``B_{s,e} (A_{s,e} x_t)`` for each pair the router
+        chose (``e = topk_ids[t, j]``, ``s`` token t's slot).  Returns vLLM's 4-tuple for
+        `add_lora_w2`: no block alignment on the CPU, so it carries the pairs' local expert
+        ids ``[T, k]`` as ``expert_ids_lora`` and the token -> slot mapping."""
+        T = x.shape[0]
+        ids, experts = self._moe_ids(token_lora_mapping, topk_ids, expert_map, T)
+        y3 = y.view(T, experts.shape[1], -1)
+        if not add_inputs:
+            _zero_pairs(y3, ids, experts)
+        off = 0
+        for a, b in zip(lora_a_stacked, lora_b_stacked):
+            n = b.shape[-2]
+            self._experts("add_lora_w13", y3[:, :, off:off + n], x, a, b, ids, experts, None)
+            off += n
+        return None, experts, None, ids
+
+    def add_lora_w2(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights,
+                    sorted_token_ids_lora, expert_ids_lora, num_tokens_post_padded_lora,
+                    token_lora_mapping, num_tokens, w1, w2, top_k_num, max_loras,
+                    adapter_enabled, top_k, fully_sharded, tp_rank, use_tuned_config,
+                    add_inputs=True):
+        """The down LoRA of routed experts: ``y [T, k, H]`` gets ``w_tj * B_{s,e} (A_{s,e}
+        x_tj)`` per chosen pair (``x [T*k, I]``: the activation's output, one row per pair;
+        ``w`` the router weights, as vLLM's weighted intermediate holds them).  The pairs'
+        experts are the ``expert_ids_lora`` `add_lora_w13` returned."""
+        T, k = y.shape[0], y.shape[1]
+        ids = self._ids((self.token_lora_indices if token_lora_mapping is None
+                         else token_lora_mapping).long(), T)
+        experts = expert_ids_lora
+        if experts is None or tuple(experts.shape) != (T, k):
+            raise ValueError(f"add_lora_w2 needs the [{T}, {k}] expert ids add_lora_w13 "
+                             f"returned; got {None if experts is None else tuple(experts.shape)}")
+        if not add_inputs:
+            _zero_pairs(y, ids, experts)
+        self._experts("add_lora_w2", y, x.view(T, k, -1), lora_a_stacked[0], lora_b_stacked[0],
+                      ids, experts, topk_weights.to(torch.float64).reshape(T, k))
+
     # ------------------------------------------------------------------ vLLM's methods
     def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs):
         """``y[i] = scale * x A_i^T`` per row's slot (assigns, as vLLM's does; -1 rows keep
@@ -375,6 +476,48 @@ def _s3(t):
     return t[:, 0] if t.dim() == 4 else t
 
 
+def _cannot_experts(out, x, a, b):
+    """Why the kernels cannot serve this expert slice (None: they can)."""
+    for name, t in (("y", out), ("x", x)):
+        if not t.is_cpu:
+            return f"{name} is on {t.device}"
+        if t.dtype not in _ACT:
+            return f"{name} is {t.dtype}"
+    for name, t in (("lora_a", a), ("lora_b", b)):
+        if t.dim() != 4 or not t.is_cpu or _storage(t) is None or \
+                (t.stride(3) != 1 and t.shape[3] > 1):
+            return f"{name} {tuple(t.shape)} {t.dtype} is not [slots, experts, n, m] on the CPU"
+    if a.dtype != b.dtype or a.shape[:2] != b.shape[:2] or a.shape[2] != b.shape[3]:
+        return f"lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not pair"
+    if out.shape[-1] != b.shape[2] or x.shape[-1] != a.shape[3]:
+        return (f"y's slice has {out.shape[-1]} columns and x {x.shape[-1]}; the experts are "
+                f"[{b.shape[2]} x {a.shape[3]}]")
+    return None
+
+
+def _zero_pairs(y, ids, experts):
+    """Zero ``y [T, k, n]`` at the (token, slot) pairs a LoRA serves (assign semantics)."""
+    mask = (ids >= 0).unsqueeze(1) & (experts >= 0)
+    y[mask] = 0
+
+
+def _torch_experts(out, x, a, b, ids, experts, scales):
+    """The grouped torch path for expert LoRA: per (slot, expert) in the batch, its pairs'
+    rows through float32 matmuls, rounded once into ``out [T, k, n]``."""
+    T, k = experts.shape
+    slot = ids.unsqueeze(1).expand(T, k)
+    xs = x if x.dim() == 3 else x.unsqueeze(1).expand(T, k, x.shape[-1])
+    for s, e in torch.unique(torch.stack([slot.reshape(-1), experts.reshape(-1)], 1),
+                             dim=0).tolist():
+        if s < 0 or e < 0:
+            continue
+        t, j = ((slot == s) & (experts == e)).nonzero(as_tuple=True)
+        term = (xs[t, j].float() @ a[s, e].float().T) @ b[s, e].float().T
+        if scales is not None:
+            term = term * scales[t, j].unsqueeze(1).float()
+        out[t, j] = (out[t, j].float() + term).to(out.dtype)
+
+
 def _zero_rows(out, ids):
     """Zero the rows of ``out`` a slot serves (the -1 rows keep their bits)."""
     if out.shape[0] == 0:
@@ -406,10 +549,13 @@ def _torch_slice(kind, out, x, a3, b3, ids, scale, assign):
 
 
 # ---------------------------------------------------------------------------- methods we do not serve
-_OURS = {"add_shrink", "add_expand", "add_lora_embedding", "add_lora_linear", "add_lora_logits"}
+_OURS = {"add_shrink", "add_expand", "add_lora_embedding", "add_lora_linear", "add_lora_logits",
+         "add_lora_w13", "add_lora_w2"}
 # vLLM's metadata and its correct methods, used as they are
+# vLLM's metadata and its methods that stay vLLM's: classifier heads (correct as they are), and
+# the GPU MoE kernels' block alignment (the CPU experts call add_lora_w13 / add_lora_w2)
 _VLLMS = {"update_metadata", "apply_lora_full_linear", "moe_lora_align_block_size",
-          "add_lora_fused_moe", "add_lora_w13", "add_lora_w2"}
+          "add_lora_fused_moe"}
 
 
 def _unserved(name, method):

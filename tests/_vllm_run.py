@@ -3,7 +3,8 @@ needs — LORA_VLLM, LD_PRELOAD, the engine's process layout — is fixed at pro
 
 ``python tests/_vllm_run.py SPEC.json``: SPEC holds ``model`` (a directory), ``adapters``
 ({name: directory}), ``requests`` ([[prompt token ids, adapter name or null], ...]),
-``max_tokens`` and ``engine`` (extra `vllm.LLM` arguments).  The last line printed is
+``max_tokens``, ``engine`` (extra `vllm.LLM` arguments) and optionally ``lora_request``
+({name: extra `LoRARequest` fields}).  The last line printed is
 ``RESULT {json}``: each request's greedy tokens, and what every worker process reports (the
 wrapper class vLLM built, lora.vllm.stats(), the kernels' and torch's thread counts).
 """
@@ -45,8 +46,10 @@ def main(path):
     llm = LLM(model=spec["model"], dtype="float32", enable_lora=True, max_model_len=128,
               seed=0, enforce_eager=True, **spec["engine"])
     ids = {name: i + 1 for i, name in enumerate(spec["adapters"])}
+    extra = spec.get("lora_request", {})    # {name: extra LoRARequest fields}
     lora_requests = [None if name is None else LoRARequest(name, ids[name],
-                                                           spec["adapters"][name])
+                                                           spec["adapters"][name],
+                                                           **extra.get(name, {}))
                      for _, name in spec["requests"]]
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
                             detokenize=False)

@@ -73,7 +73,7 @@ def hf_tokens(model_dir, adapter_dir, prompt):
     """Greedy tokens of HF transformers (+ PEFT with the adapter), float32, no EOS stop."""
     from peft import PeftModel
 
-    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
