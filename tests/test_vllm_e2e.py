@@ -38,10 +38,7 @@ ADAPTERS = {   # name: PEFT LoraConfig arguments
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The tiny Llama (with a word-level tokenizer vLLM can load) and PEFT-saved adapters whose
-    factors are all nonzero (PEFT initialises lora_B to zero)."""
-    from peft import LoraConfig, get_peft_model
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-
+    factors are all nonzero."""
     root = tmp_path_factory.mktemp("vllm_e2e")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -50,23 +47,42 @@ def models(tmp_path_factory):
         tie_word_embeddings=False)
     base = transformers.LlamaForCausalLM(cfg).eval()
     base.save_pretrained(root / "model")
-    tok = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
-                                         eos_token="t2").save_pretrained(root / "model")
-    dirs = {}
-    for k, (name, kw) in enumerate(ADAPTERS.items()):
-        # on a copy of the base itself: PEFT saves the embedding layers' base weights with an
-        # adapter on them (save_embedding_layers) and loads them back
-        model = get_peft_model(copy.deepcopy(base), LoraConfig(**kw))
-        gen = torch.Generator().manual_seed(100 + k)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "lora_" in pname:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        model.save_pretrained(root / name)
-        dirs[name] = str(root / name)
-    return str(root / "model"), dirs
+    _tokenizer(root / "model")
+    return str(root / "model"), _save_adapters(base, root, ADAPTERS, 100)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """A tiny Qwen3-MoE (4 experts, top 2) and PEFT adapters: one on the routed experts
+    (PEFT's target_parameters: the fused gate_up and down expert weights) and q/v, one on
+    q/v only."""
+    root = tmp_path_factory.mktemp("vllm_e2e_moe")
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+        tie_word_embeddings=False)
+    base = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    base.save_pretrained(root / "model")
+    _tokenizer(root / "model")
+    adapters = {
+        "experts": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                        target_parameters=["mlp.experts.gate_up_proj",
+                                           "mlp.experts.down_proj"]),
+        "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    }
+    return str(root / "model"), _save_adapters(base, root, adapters, 200)
+
+
+@pytest.fixture(scope="module")
+def oracle(models):
+    return _oracle(models)
+
+
+@pytest.fixture(scope="module")
+def moe_oracle(moe_models):
+    return _oracle(moe_models)
 
 
 def hf_tokens(model_dir, adapter_dir, prompt):
@@ -87,8 +103,37 @@ def hf_tokens(model_dir, adapter_dir, prompt):
     return out
 
 
-@pytest.fixture(scope="module")
-def oracle(models):
+def _tokenizer(path):
+    """A word-level tokenizer over the tiny vocabulary (vLLM loads one with the model)."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+
+    tok = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                         eos_token="t2").save_pretrained(path)
+
+
+def _save_adapters(base, root, adapters, seed):
+    """PEFT-saved adapters on copies of ``base`` with every LoRA factor random (PEFT
+    initialises lora_B to zero): {name: directory}."""
+    from peft import LoraConfig, get_peft_model
+
+    dirs = {}
+    for k, (name, kw) in enumerate(adapters.items()):
+        # on a copy of the base itself: PEFT saves the embedding layers' base weights with an
+        # adapter on them (save_embedding_layers) and loads them back
+        model = get_peft_model(copy.deepcopy(base), LoraConfig(**kw))
+        gen = torch.Generator().manual_seed(seed + k)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_" in pname:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        model.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def _oracle(models):
     model_dir, dirs = models
     cache = {}
 
@@ -105,11 +150,12 @@ def requests(names):
     return [[[3 + 7 * i, 17, 42 + i, 99, 5 + i, 64], name] for i, name in enumerate(names)]
 
 
-def run(models, tmp_path, reqs, engine, env=None):
+def run(models, tmp_path, reqs, engine, env=None, lora_request=None):
     model_dir, dirs = models
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"model": model_dir, "adapters": dirs, "requests": reqs,
-                                "max_tokens": MAX_TOKENS, "engine": engine}))
+                                "max_tokens": MAX_TOKENS, "engine": engine,
+                                "lora_request": lora_request or {}}))
     full = dict(os.environ)
     full.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
                  "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -195,3 +241,18 @@ def test_with_vllms_ld_preload_of_libiomp5(models, oracle, tmp_path):
     assert "libiomp is not found in LD_PRELOAD" not in result["log"]
     check_served(result)
     check_tokens(result, reqs, oracle)
+
+
+def test_expert_lora_on_a_moe_model(moe_models, moe_oracle, tmp_path):
+    """Expert LoRA, which vLLM cannot run on a CPU (its MoE LoRA backend is Triton): through
+    the plug-in's CPU experts, a mixed batch of expert-LoRA, dense-only LoRA and base requests
+    gives HF transformers + PEFT's tokens.  vLLM takes PEFT's fused 3-D expert format with
+    enable_mixed_moe_lora_format and is_3d_lora_weight on the request."""
+    reqs = requests(["experts", None, "qv", "experts", None, "qv"])
+    result = run(moe_models, tmp_path, reqs,
+                 {"max_loras": 2, "max_lora_rank": 16, "enable_mixed_moe_lora_format": True},
+                 env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                 lora_request={"experts": {"is_3d_lora_weight": True}})
+    check_served(result, ("add_lora_linear", "add_lora_w13", "add_lora_w2"))
+    assert "Using LoraCPUExperts MoE backend" in result["log"]
+    check_tokens(result, reqs, moe_oracle)

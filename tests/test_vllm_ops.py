@@ -330,3 +330,54 @@ def test_no_adapter_in_the_batch_leaves_y_alone():
     y = y0.clone()
     w.add_lora_linear(y, torch.randn(3, 8, generator=gen).to(torch.bfloat16), a, b, 1.0, (6,))
     assert torch.equal(y, y0)
+
+
+@pytest.mark.parametrize("act", DTYPES)
+def test_expert_lora_w13_and_w2(act):
+    """The MoE hooks vLLM's LoRA experts call: w13 per slice (gate, up) at its column offset of
+    ``y [T, k, 2I]``, w2 on ``y [T, k, H]`` weighted by the router, only for the (token,
+    expert) pairs routed; base tokens' rows keep their bits."""
+    gen = torch.Generator().manual_seed(12)
+    ids_lora = [7, 0, 9, 8, 7, 0]
+    w = wrapper(ids_lora)
+    ids = w.token_lora_indices
+    T, E, k, H, I, rmax = len(ids_lora), 4, 2, 32, 24, 8
+    a13 = tuple(torch.randn(SLOTS, E, rmax, H, generator=gen).to(act) for _ in range(2))
+    b13 = tuple(torch.randn(SLOTS, E, I, rmax, generator=gen).to(act) for _ in range(2))
+    a2 = (torch.randn(SLOTS, E, rmax, I, generator=gen).to(act),)
+    b2 = (torch.randn(SLOTS, E, H, rmax, generator=gen).to(act),)
+    a13[0][1, 2, 5:] = 0                       # a true rank under the padding, one expert
+    x = torch.randn(T, H, generator=gen).to(act)
+    topk = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    y = torch.randn(T, k, 2 * I, generator=gen).to(act)
+    y0 = y.clone()
+    before = lv.stats()
+    routing = w.add_lora_w13(y, x, a13, b13, topk, weights, None, None, None, T, k, SLOTS,
+                             None, E, k, 2, False, False)
+    assert served(before, "add_lora_w13") == 2
+    term = torch.zeros(T, k, 2 * I, dtype=torch.float64)
+    for t, s in enumerate(ids.tolist()):
+        for j in range(k):
+            e = int(topk[t, j])
+            if s >= 0:
+                for i in range(2):
+                    term[t, j, i * I:(i + 1) * I] = (x[t].double() @ a13[i][s, e].double().T
+                                                     @ b13[i][s, e].double().T)
+    check_close(y.view(T * k, -1), y0.view(T * k, -1), term.view(T * k, -1), act)
+    assert torch.equal(y[ids == -1], y0[ids == -1])
+    h = torch.randn(T * k, I, generator=gen).to(act)
+    y2 = torch.randn(T, k, H, generator=gen).to(act)
+    y20 = y2.clone()
+    w.add_lora_w2(y2, h, a2, b2, weights, *routing[:3], routing[3], T, None, None, k, SLOTS,
+                  None, k, False, 0, False)
+    assert served(before, "add_lora_w2") == 1
+    term2 = torch.zeros(T, k, H, dtype=torch.float64)
+    for t, s in enumerate(ids.tolist()):
+        for j in range(k):
+            e = int(topk[t, j])
+            if s >= 0:
+                term2[t, j] = float(weights[t, j]) * (h[t * k + j].double() @ a2[0][s, e].double().T
+                                                      @ b2[0][s, e].double().T)
+    check_close(y2.view(T * k, -1), y20.view(T * k, -1), term2.view(T * k, -1), act)
+    assert torch.equal(y2[ids == -1], y20[ids == -1])
