@@ -253,11 +253,19 @@ class PunicaWrapper(PunicaWrapperCPU):
     def __init__(self, max_num_batched_tokens, max_batches, device, **kwargs):
         super().__init__(max_num_batched_tokens, max_batches, device, **kwargs)
         self._views = {}
+        self._tokens_use_slots = self._rows_use_slots = True   # until vLLM's first metadata
         # the worker's threads and never more: vLLM sizes torch's pool per worker
         # (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND); the kernels' team follows it
         n = torch.get_num_threads()
         if n >= 1 and get_num_threads() > n:
             set_num_threads(n)
+
+    def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
+        """vLLM's own, then whether any token / any logits row has a slot this step (a step of
+        base requests only makes no kernel call at all)."""
+        super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
+        self._tokens_use_slots = bool((self.token_lora_indices >= 0).any())
+        self._rows_use_slots = bool((self.sampler_indices >= 0).any())
 
     # ------------------------------------------------------------------ helpers
     def _bank(self, kind, a, b, a3, b3, r_max):
@@ -386,6 +394,8 @@ class PunicaWrapper(PunicaWrapperCPU):
         """``y[i] = scale * x A_i^T`` per row's slot (assigns, as vLLM's does; -1 rows keep
         their bits); ``y``: a tuple of float32 ``[T, r]`` buffers or one ``[n, T, r]``."""
         x = x.view(-1, x.shape[-1])
+        if not self._tokens_use_slots:
+            return
         ids = self._ids(self.token_lora_indices, x.shape[0])
         for i, a in enumerate(lora_a_stacked):
             out = y[i].view(-1, y[i].shape[-1])
@@ -396,6 +406,8 @@ class PunicaWrapper(PunicaWrapperCPU):
         """``y[:, off:off+n_i] += x[i] B_i^T`` per row's slot (``add_inputs=False``: assigns),
         the slices at their column offsets from ``offset_start``."""
         y2 = y.view(-1, y.shape[-1])
+        if not self._tokens_use_slots:
+            return
         ids = self._ids(self.token_lora_indices, y2.shape[0])
         off = offset_start
         for i, b in enumerate(lora_b_stacked):
@@ -409,6 +421,8 @@ class PunicaWrapper(PunicaWrapperCPU):
         """The embedding's B part: ``y += x B^T`` per row's slot (``x``: the A rows vLLM
         gathered, ``[T, r_max]``)."""
         y2 = y.view(-1, y.shape[-1])
+        if not self._tokens_use_slots:
+            return
         ids = self._ids(self.token_lora_indices, y2.shape[0])
         self._apply("add_lora_embedding", "b", y2, x.view(-1, x.shape[-1]), None,
                     lora_b_stacked, ids, 1.0, assign=not add_inputs)
@@ -421,6 +435,8 @@ class PunicaWrapper(PunicaWrapperCPU):
         assert len(lora_a_stacked) == len(lora_b_stacked) == len(output_slices)
         y2 = y.view(-1, y.shape[-1])
         x = x.view(-1, x.shape[-1])
+        if not self._tokens_use_slots:
+            return
         ids = self._ids(self.token_lora_indices, x.shape[0])
         off = 0
         for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices):
@@ -433,6 +449,8 @@ class PunicaWrapper(PunicaWrapperCPU):
         columns past B's rows are left untouched."""
         y2 = y.view(-1, y.shape[-1])
         x = x.view(-1, x.shape[-1])
+        if not self._rows_use_slots:
+            return
         ids = self._ids(self.sampler_indices, x.shape[0])
         vocab = lora_b_stacked.shape[-2]
         self._apply("add_lora_logits", "ab", y2[:, :vocab], x, lora_a_stacked, lora_b_stacked,

@@ -278,12 +278,15 @@ def _vllm_notes(w):
     notes = [f"vs vLLM stock {_ratio(sp.get('vllm_stock'))}"]
     if "torch_grouped" in sp:
         notes.append(f"vs grouped torch {_ratio(sp['torch_grouped'])}")
+    if "ours_padded" in sp:
+        notes.append(f"padded ranks computed: {sp['ours_padded']:.2f}x the time")
     if "base_ours_s" in r:
         ours, stock = r["impls"]["ours"]["median_s"], r["impls"]["vllm_stock"]["median_s"]
         notes.append(f"x (a): ours {ours / r['base_ours_s']:.2f}x, stock {stock / r['base_stock_s']:.2f}x")
         notes.append(f"tok/s: ours {r['tokens'] / ours:.0f}, stock {r['tokens'] / stock:.0f}")
     if "tokens" in r and "base_rows" in r:
-        notes.append(f"{r['tokens']} tokens ({r['base_rows']} base) over {r['slots']} slots, r{r['rank']}")
+        notes.append(f"{r['tokens']} tokens ({r['base_rows']} base) over {r['slots']} slots, r{r['rank']}"
+                     + (f" in max_lora_rank {r['r_max']}" if r.get("r_max", r["rank"]) != r["rank"] else ""))
     return notes
 
 

@@ -9,6 +9,9 @@ slots 0..3 and base requests (slot -1) in turn:
 
 * ``vllm add_lora_linear qkv t32`` / ``t512``: one QKV layer, 4096 -> 4096 / 1024 / 1024
   (three packed slices), rank 16, 32 or 512 tokens (a decode step / a prefill chunk);
+* ``vllm add_lora_linear qkv t512 r16 in r64``: the t512 row with vLLM's slots sized for
+  ``max_lora_rank=64`` (the rank-16 factors zero-padded), and ``ours_padded``: our wrapper
+  without skipping the padded ranks (what the padding costs; vLLM's stock ops always pay it);
 * ``vllm add_lora_logits t32``: the LoRA logits, hidden 4096 -> vocab 32000, 32 rows (one per
   request).
 
@@ -52,6 +55,7 @@ SLOTS, RANK, HIDDEN = 4, 16, 4096
 QKV = (4096, 1024, 1024)
 VOCAB = 32000
 OP_TOKENS = (32, 512)
+PADDED = 64    # a max_lora_rank above the adapters' rank 16: what the padding costs
 LOGITS_ROWS = 32
 SERVE = {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4, "inter": 2816, "vocab": 32000,
          "requests": 16, "prompt": 64, "new": 32, "rank": 16, "adapters": 4}
@@ -101,7 +105,10 @@ def _grouped(torch, slots, x, a_cat, bs, y, offsets):
             r += RANK
 
 
-def build_linear(ctx, tokens, logits=False):
+def build_linear(ctx, tokens, logits=False, r_max=RANK):
+    """One op row; ``r_max`` > RANK: the adapters' rank-16 factors zero-padded to vLLM's
+    ``max_lora_rank`` = r_max, and ``ours_padded``: our wrapper computing the padded ranks too
+    (what skipping them saves)."""
     torch = ctx.torch
     if torch is None:
         raise Skip("needs torch")
@@ -115,8 +122,12 @@ def build_linear(ctx, tokens, logits=False):
 
     def rnd(*shape, amp):
         return ((torch.rand(shape, generator=gen) - 0.5) * 2 * amp).to(bf)
-    a = tuple(rnd(SLOTS, 1, RANK, HIDDEN, amp=1.7 / HIDDEN ** 0.5) for _ in outs)
-    b = tuple(rnd(SLOTS, 1, o, RANK, amp=0.02) for o in outs)
+    a = tuple(rnd(SLOTS, 1, r_max, HIDDEN, amp=1.7 / HIDDEN ** 0.5) for _ in outs)
+    b = tuple(rnd(SLOTS, 1, o, r_max, amp=0.02) for o in outs)
+    for t in a:
+        t[:, :, RANK:] = 0       # vLLM's zero padding of each adapter to max_lora_rank
+    for t in b:
+        t[:, :, :, RANK:] = 0
     x = rnd(n, HIDDEN, amp=1.0)
     width = sum(outs)
     if logits:
@@ -131,8 +142,8 @@ def build_linear(ctx, tokens, logits=False):
         def call(w, y):
             w.add_lora_linear(y, x, a, b, 1.0, outs)
     # the grouped baseline's operands, made once (a careful user's preparation)
-    a_cat = [torch.cat([ai[s, 0] for ai in a], 0).T.contiguous() for s in range(SLOTS)]
-    bt = [[bi[s, 0].T.contiguous() for s in range(SLOTS)] for bi in b]
+    a_cat = [torch.cat([ai[s, 0, :RANK] for ai in a], 0).T.contiguous() for s in range(SLOTS)]
+    bt = [[bi[s, 0, :, :RANK].T.contiguous() for s in range(SLOTS)] for bi in b]
     ids = torch.from_numpy(slots)
     groups = [(s, (ids == s).nonzero().squeeze(1)) for s in range(SLOTS) if bool((ids == s).any())]
     offsets, off = [], 0
@@ -156,13 +167,24 @@ def build_linear(ctx, tokens, logits=False):
         return y.numpy()
     impls = {"ours": Impl(call, ours_w, y0()), "vllm_stock": Impl(call, stock_w, y0()),
              "torch_grouped": Impl(lambda y=y0(): _grouped(torch, groups, x, a_cat, bt, y, offsets))}
+    if r_max > RANK:   # the same call over views that keep the padded ranks
+        import lora.vllm as lv
+
+        padded_w = _wrappers(ctx, slots)[0]
+        lv.TRIM_RANK = False
+        try:
+            call(padded_w, y0())     # its views are built (and kept) now, untrimmed
+        finally:
+            lv.TRIM_RANK = True
+        impls["ours_padded"] = Impl(call, padded_w, y0())
     used = len(groups)
     served = int((slots >= 0).sum())
     weights = used * sum(RANK * (HIDDEN + o) for o in outs) * 2
     return Built(impls=impls, bytes=weights + n * HIDDEN * 2 + served * sum(outs) * 2 * 2,
                  flops=2 * served * sum(RANK * (HIDDEN + o) for o in outs),
                  check=(ours_once, ref_once, _TOL),
-                 info={"tokens": n, "slots": SLOTS, "rank": RANK, "base_rows": int((slots < 0).sum())})
+                 info={"tokens": n, "slots": SLOTS, "rank": RANK, "r_max": r_max,
+                       "base_rows": int((slots < 0).sum())})
 
 
 # ------------------------------------------------------------------------------ serving
@@ -226,6 +248,8 @@ def workloads(quick):
     for t in OP_TOKENS:
         W.append(Workload(f"vllm add_lora_linear qkv t{t}", "vllm", "bfloat16",
                           lambda c, t=t: build_linear(c, t)))
+    W.append(Workload(f"vllm add_lora_linear qkv t512 r16 in r{PADDED}", "vllm", "bfloat16",
+                      lambda c: build_linear(c, 512, r_max=PADDED)))
     W.append(Workload(f"vllm add_lora_logits t{LOGITS_ROWS}", "vllm", "bfloat16",
                       lambda c: build_linear(c, LOGITS_ROWS, logits=True)))
     for row, name in SERVE_ROWS:
