@@ -54,7 +54,9 @@ log = logging.getLogger("vllm.lora_kernels")
 TRIM_RANK = True
 
 _lock = threading.Lock()
-_stats = collections.Counter()   # "kernels:<method>" / "torch:<method>": calls served, this process
+# "kernels:<method>" / "torch:<method>": calls served in this process (vLLM runs a worker's
+# forward on one thread; the counts are for tests and logs, not a synchronisation point)
+_stats = collections.Counter()
 _warned = set()
 _registered = None               # what register() decided in this process (logged once)
 
@@ -64,11 +66,6 @@ def stats():
     (``torch:`` is the grouped torch path a call the kernels cannot serve takes)."""
     with _lock:
         return dict(_stats)
-
-
-def _count(key):
-    with _lock:
-        _stats[key] += 1
 
 
 def _warn_once(key, message):
@@ -157,12 +154,20 @@ class _Views:
     `LoraDelta` view of the slot's memory (no copy).  ``kind``: "ab" (A and B: a whole LoRA
     term), "a" (A with B = I: a shrink into the rank buffer), "b" (A = I, B: an expand).  Kept
     while the tensors' data pointers, shapes and version counters are unchanged: vLLM writes
-    a new adapter into a slot in place (which bumps the version), so the next call rebuilds."""
+    a new adapter into a slot in place (which bumps the version), so the next call rebuilds.
+    ``bank`` is None and ``why`` says why when the kernels cannot read the tensors."""
 
-    __slots__ = ("key", "bank", "keep")
+    __slots__ = ("key", "bank", "why", "keep")
 
-    def __init__(self, kind, a3, b3, r_max):
-        self.key = _key(a3, b3)
+    def __init__(self, kind, a, b):
+        self.key = _key(a, b)
+        self.bank, self.keep = None, (a, b)
+        a3 = None if a is None else _slots3(a)
+        b3 = None if b is None else _slots3(b)
+        self.why = _cannot(a, b, a3, b3)
+        if self.why is not None:
+            return
+        r_max = a3.shape[1] if a3 is not None else b3.shape[2]
         slots = (a3 if a3 is not None else b3).shape[0]
         ranks = _ranks(a3, b3) if TRIM_RANK else [r_max] * slots
         one = (a3 if a3 is not None else b3).dtype
@@ -173,17 +178,17 @@ class _Views:
                 entries.append(None)          # an empty slot adds nothing
                 continue
             if kind == "ab":
-                a, b = a3[s], b3[s]
+                sa, sb = a3[s], b3[s]
             elif kind == "a":
-                a, b = a3[s], _Identity.get(one, r_max)
+                sa, sb = a3[s], _Identity.get(one, r_max)
             else:
-                a, b = _Identity.get(one, r_max), b3[s]
-            cols, rows = a.shape[1], b.shape[0]
-            entries.append(LoraDelta.view((a.data_ptr(), a.stride(0)), (b.data_ptr(), b.stride(0)),
-                                          dtype=name, rank=rank, rows=rows, cols=cols,
-                                          b_by_row=True, scale=_ONE, keep=(a, b)))
+                sa, sb = _Identity.get(one, r_max), b3[s]
+            cols, rows = sa.shape[1], sb.shape[0]
+            entries.append(LoraDelta.view((sa.data_ptr(), sa.stride(0)),
+                                          (sb.data_ptr(), sb.stride(0)), dtype=name, rank=rank,
+                                          rows=rows, cols=cols, b_by_row=True, scale=_ONE,
+                                          keep=(sa, sb)))
         self.bank = LoraBank(entries)
-        self.keep = (a3, b3)
 
 
 _ONE = LoraScale(1.0)   # vLLM folds alpha/r into B; a call's own `scale` goes per position
@@ -218,9 +223,11 @@ class _ExpertViews:
         self.keep = (a4, b4)
 
 
-def _key(a3, b3):
-    return tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype)
-                 for t in (a3, b3))
+def _key(a, b):
+    """What a kept bank of views depends on: each tensor's data pointer, version counter (vLLM's
+    in-place slot writes bump it), shape and dtype."""
+    return (None if a is None else (a.data_ptr(), a._version, a.shape, a.dtype),
+            None if b is None else (b.data_ptr(), b._version, b.shape, b.dtype))
 
 
 def _slots3(t):
@@ -268,18 +275,17 @@ class PunicaWrapper(PunicaWrapperCPU):
         self._rows_use_slots = bool((self.sampler_indices >= 0).any())
 
     # ------------------------------------------------------------------ helpers
-    def _bank(self, kind, a, b, a3, b3, r_max):
-        """The bank for vLLM's slot tensors ``a`` / ``b`` (their ``[slots, n, m]`` views
-        ``a3`` / ``b3``), rebuilt when a data pointer, shape or version counter changed."""
+    def _views_of(self, kind, a, b):
+        """The kept `_Views` for vLLM's slot tensors ``a`` / ``b``, rebuilt when a data
+        pointer, shape or version counter changed."""
         key = (kind, id(a), id(b))
         got = self._views.get(key)
-        if got is not None and got.key == _key(a3, b3):
-            return got.bank
-        v = _Views(kind, a3, b3, r_max)
-        if len(self._views) > 512:   # tensors that went away: start afresh
-            self._views.clear()
-        self._views[key] = v
-        return v.bank
+        if got is None or got.key != _key(a, b):
+            got = _Views(kind, a, b)
+            if len(self._views) > 512:   # tensors that went away: start afresh
+                self._views.clear()
+            self._views[key] = got
+        return got
 
     @staticmethod
     def _ids(ids, n):
@@ -296,27 +302,27 @@ class PunicaWrapper(PunicaWrapperCPU):
         _warn_once((method, why), f"lora-kernels: {method} cannot run on the kernels ({why}); "
                                   f"a grouped torch path serves it")
         fallback()
-        _count("torch:" + method)
+        _stats["torch:" + method] += 1
 
     def _apply(self, method, kind, out, x, a, b, ids, scale, assign=False):
         """One slice: ``out (+)= scale * (x A^T) B^T`` per row's slot, ``a`` / ``b`` vLLM's
         stacked slot tensors (kind as `_Views`: None for the identity side); ``assign`` zeroes
-        the served rows first (vLLM's shrink, or add_inputs=False)."""
-        a3 = None if a is None else _slots3(a)
-        b3 = None if b is None else _slots3(b)
-        r_max = (a if a is not None else b).shape[-1 if a is None else -2]
-        why = _cannot(out, x, a, b, a3, b3)
+        the served rows first (vLLM's shrink, or add_inputs=False).  ``x`` and ``out`` are
+        checked by the bank call itself, before it writes: a TypeError or ValueError from it
+        (a dtype, a device, a shape the kernels do not take) sends the slice to the torch path,
+        which recomputes every served row."""
+        views = self._views_of(kind, a, b)
+        why = views.why
         if why is None:
             try:
-                bank = self._bank(kind, a, b, a3, b3, r_max)
                 scales = None if scale == 1.0 else torch.full((ids.shape[0],), float(scale),
                                                               dtype=torch.float64)
                 if assign:
                     _zero_rows(out, ids)
-                bank.add_batch_to(x, out, ids, scales)
-                _count("kernels:" + method)
+                views.bank.add_batch_to(x, out, ids, scales)
+                _stats["kernels:" + method] += 1
                 return
-            except (TypeError, ValueError) as exc:   # nothing was written: the checks run first
+            except (TypeError, ValueError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
         self._served(method, why, lambda: _torch_slice(kind, out, x, _s3(a), _s3(b), ids, scale,
                                                        assign))
@@ -335,7 +341,7 @@ class PunicaWrapper(PunicaWrapperCPU):
                 else:
                     got.bank.add_experts_to(x, out, ids.unsqueeze(1).expand_as(experts)
                                             .contiguous(), experts, scales)
-                _count("kernels:" + method)
+                _stats["kernels:" + method] += 1
                 return
             except (TypeError, ValueError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
@@ -457,33 +463,16 @@ class PunicaWrapper(PunicaWrapperCPU):
                     ids, scale)
 
 
-def _cannot(out, x, a, b, a3, b3):
-    """Why the kernels cannot serve this slice (None: they can)."""
+def _cannot(a, b, a3, b3):
+    """Why the kernels cannot read these slot tensors (None: they can)."""
     if (a is not None and a3 is None) or (b is not None and b3 is None):
         return "a slot tensor is not [slots, 1, n, m] on the CPU with its last axis contiguous"
-    for name, t in (("y", out), ("x", x)):
-        if not t.is_cpu:
-            return f"{name} is on {t.device}"
-        if t.dtype not in _ACT:
-            return f"{name} is {t.dtype}"
-    if out.dim() != 2 or x.dim() != 2 or out.shape[0] != x.shape[0]:
-        return f"y {tuple(out.shape)} and x {tuple(x.shape)} do not pair rows"
-    if (a3 is None and b3 is None) or (a3 is not None and _storage(a3) is None) \
-            or (b3 is not None and _storage(b3) is None):
-        return "the slot tensors are not CPU tensors of float32, bfloat16 or float16"
+    for t in (a3, b3):
+        if t is not None and _storage(t) is None:
+            return f"the slot tensors are {t.dtype}, not float32, bfloat16 or float16"
     if a3 is not None and b3 is not None and (a3.dtype != b3.dtype or a3.shape[1] != b3.shape[2]
                                               or a3.shape[0] != b3.shape[0]):
         return f"lora_a {tuple(a3.shape)} {a3.dtype} and lora_b {tuple(b3.shape)} {b3.dtype} differ"
-    if a3 is not None and x.shape[1] != a3.shape[2]:
-        return f"x has {x.shape[1]} columns, lora_a {a3.shape[2]}"
-    if b3 is not None and out.shape[1] != b3.shape[1]:
-        return f"y's slice has {out.shape[1]} columns, lora_b {b3.shape[1]} rows"
-    if b3 is not None and a3 is None and x.shape[1] != b3.shape[2]:
-        return f"x has {x.shape[1]} columns, lora_b's rank is {b3.shape[2]}"
-    if a3 is not None and b3 is None and out.shape[1] != a3.shape[1]:
-        return f"the buffer has {out.shape[1]} columns, lora_a's rank is {a3.shape[1]}"
-    if out.stride(-1) != 1 and out.shape[1] > 1:
-        return "y's last axis is not contiguous"
     return None
 
 
@@ -580,7 +569,7 @@ def _unserved(name, method):
     def call(self, *args, **kwargs):
         _warn_once(("method", name), f"lora-kernels: PunicaWrapper.{name} is a method this "
                                      f"plug-in does not know (a newer vLLM?); vLLM's own runs")
-        _count("vllm:" + name)
+        _stats["vllm:" + name] += 1
         return method(self, *args, **kwargs)
     call.__name__ = name
     call.__doc__ = method.__doc__

@@ -294,17 +294,20 @@ def test_rank_trimming_matches_padding():
     assert torch.allclose(got[True], got[False], rtol=1e-6, atol=1e-6)
 
 
-def test_a_call_the_kernels_cannot_serve_takes_the_grouped_torch_path():
-    """A float64 y (no kernel takes it): the grouped torch path, correct (-1 rows untouched),
-    with one warning naming the method."""
+@pytest.mark.parametrize("what", ["y", "slots"])
+def test_a_call_the_kernels_cannot_serve_takes_the_grouped_torch_path(what):
+    """A float64 y, or float64 slot tensors (no kernel takes them): the grouped torch path,
+    correct (-1 rows untouched), with one warning naming the method."""
     gen = torch.Generator().manual_seed(10)
     w = wrapper(IDS)
     ids = w.token_lora_indices
     T, cols, rmax, n = len(IDS), 16, 4, 8
-    a = (slot_tensors((rmax, cols), torch.float32, gen),)
-    b = (slot_tensors((n, rmax), torch.float32, gen),)
-    x = torch.randn(T, cols, generator=gen, dtype=torch.float64)
-    y0 = torch.randn(T, n, generator=gen, dtype=torch.float64)
+    lora_dtype = torch.float64 if what == "slots" else torch.float32
+    act = torch.float64 if what == "y" else torch.float32
+    a = (slot_tensors((rmax, cols), lora_dtype, gen),)
+    b = (slot_tensors((n, rmax), lora_dtype, gen),)
+    x = torch.randn(T, cols, generator=gen, dtype=act)
+    y0 = torch.randn(T, n, generator=gen, dtype=act)
     before = lv.stats()
     lv._warned.clear()      # the warning is once per process: start this test afresh
     with warnings.catch_warnings(record=True) as caught:
@@ -313,11 +316,11 @@ def test_a_call_the_kernels_cannot_serve_takes_the_grouped_torch_path():
             y = y0.clone()
             w.add_lora_linear(y, x, a, b, 1.0, (n,))
     msgs = [str(c.message) for c in caught if "add_lora_linear" in str(c.message)]
-    assert len(msgs) == 1 and "torch.float64" in msgs[0] and "grouped torch" in msgs[0]
+    assert len(msgs) == 1 and "float64" in msgs[0] and "grouped torch" in msgs[0]
     assert lv.stats().get("torch:add_lora_linear", 0) - before.get("torch:add_lora_linear", 0) == 2
     assert served(before, "add_lora_linear") == 0
     term = ref_term(x, a[0], b[0], ids, 1.0)
-    assert torch.allclose(y, y0 + term, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(y.double(), y0.double() + term, rtol=1e-5, atol=1e-5)
     assert torch.equal(y[ids == -1], y0[ids == -1])
 
 
