@@ -55,6 +55,15 @@ def ref_term(x, a, b, ids, scale):
     return out
 
 
+def expand_term(buf, b, ids):
+    """float64 ``buf B^T`` per row's slot (vLLM's expand of a float32 rank buffer)."""
+    term = torch.zeros(buf.shape[0], b.shape[-2], dtype=torch.float64)
+    for t, s in enumerate(ids.tolist()):
+        if s >= 0:
+            term[t] = buf[t].double() @ b[s, 0].double().T
+    return term
+
+
 def check_close(got, y0, term, dtype):
     """``got`` = ``y0 + term`` within one rounding of ``dtype`` plus float32 compute error."""
     ref = y0.double() + term
@@ -149,11 +158,7 @@ def test_shrink_assigns_and_expand_adds(act, as_tensor):
     assert torch.equal(y[:, :5], y0[:, :5])
     off = 5
     for i, n in enumerate(outs):
-        term = torch.zeros(T, n, dtype=torch.float64)
-        for t, s in enumerate(ids.tolist()):
-            if s >= 0:
-                term[t] = buf[i][t].double() @ b[i][s, 0].double().T
-        check_close(y[:, off:off + n], y0[:, off:off + n], term, act)
+        check_close(y[:, off:off + n], y0[:, off:off + n], expand_term(buf[i], b[i], ids), act)
         off += n
     assert torch.equal(y[base], y0[base])
 
@@ -169,10 +174,7 @@ def test_expand_without_add_inputs_assigns(act):
     y = torch.randn(T, n, generator=gen).to(act)
     y0 = y.clone()
     w.add_expand(y, buf, b, (n,), add_inputs=False)
-    term = torch.zeros(T, n, dtype=torch.float64)
-    for t, s in enumerate(ids.tolist()):
-        if s >= 0:
-            term[t] = buf[0][t].double() @ b[0][s, 0].double().T
+    term = expand_term(buf[0], b[0], ids)
     base = ids == -1
     check_close(y[~base], torch.zeros_like(y0[~base]), term[~base], act)
     assert torch.equal(y[base], y0[base])
@@ -193,11 +195,7 @@ def test_add_lora_embedding(act):
     before = lv.stats()
     w.add_lora_embedding(y, x, b, add_inputs=True)
     assert served(before, "add_lora_embedding") == 1
-    term = torch.zeros(T, dim, dtype=torch.float64)
-    for t, s in enumerate(ids.tolist()):
-        if s >= 0:
-            term[t] = x[t].double() @ b[s, 0].double().T
-    check_close(y, y0, term, act)
+    check_close(y, y0, expand_term(x, b, ids), act)
     assert torch.equal(y[ids == -1], y0[ids == -1])
 
 
