@@ -13,7 +13,8 @@
 #    A run in which every vLLM test skipped (no vLLM after all, a wrong platform) fails.
 #
 # Environment: PYTHON (default python3) to make the venv; VLLM_KEEP=1 keeps the work directory.
-# Takes about 5 minutes on 2 cores (install ~1.5 min, the tests ~3.5 min).
+# Takes about 6 minutes on 2 cores (install ~1.5 min, the tests ~4.5 min: five vLLM engines),
+# up to 9 when the machine is busy.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

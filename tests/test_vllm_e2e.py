@@ -217,14 +217,22 @@ def test_mixed_batch_in_the_multiprocess_engine_with_ld_preload(models, oracle, 
     check_tokens(result, reqs, oracle)
 
 
-def test_max_loras_1_three_adapters_reuse_the_slot(models, oracle, tmp_path):
+def test_max_loras_1_three_adapters_reuse_the_slot_under_tensor_parallelism(models, oracle,
+                                                                            tmp_path):
     """One slot, three adapters and base requests: vLLM rewrites the slot between steps (and
-    at vLLM's default max_loras=1 its stock ops give base rows the slot's adapter)."""
+    at vLLM's default max_loras=1 its stock ops give base rows the slot's adapter).  With two
+    cores, two tensor-parallel workers, one bound to each (VLLM_CPU_OMP_THREADS_BIND="0|1"):
+    each serves its shard of the sharded LoRA layers on one thread, and the tokens are the
+    one-worker tokens."""
     reqs = requests(["qv8", None, "qv4", "all", None, "qv8"])
-    result = run(models, tmp_path, reqs, {"max_loras": 1, "max_lora_rank": 16,
-                                          "max_num_seqs": 2},
-                 env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    two = len(os.sched_getaffinity(0)) >= 2
+    result = run(models, tmp_path, reqs, {"max_loras": 1, "max_lora_rank": 16, "max_num_seqs": 2,
+                                          "tensor_parallel_size": 2 if two else 1},
+                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if two else {})
     check_served(result)
+    if two:
+        assert len(result["workers"]) == 2
+        assert all(w["lora_threads"] == w["torch_threads"] == 1 for w in result["workers"])
     check_tokens(result, reqs, oracle)
 
 
