@@ -13,7 +13,7 @@
 #    A run in which every vLLM test skipped (no vLLM after all, a wrong platform) fails.
 #
 # Environment: PYTHON (default python3) to make the venv; VLLM_KEEP=1 keeps the work directory.
-# Takes about 6 minutes on 2 cores (install ~1.5 min, the tests ~4.5 min: five vLLM engines),
+# Takes about 6 minutes on 2 cores (install ~1.5 min, the tests ~4.5 min: four vLLM engines),
 # up to 9 when the machine is busy.
 set -euo pipefail
 

@@ -18,8 +18,6 @@ says what to install.
 
 import collections
 import logging
-import os
-import re
 import threading
 import warnings
 
@@ -173,22 +171,21 @@ class _Views:
         one = (a3 if a3 is not None else b3).dtype
         name = _storage(a3 if a3 is not None else b3)
         entries = []
-        for s, rank in enumerate(ranks):
-            if rank == 0:
-                entries.append(None)          # an empty slot adds nothing
-                continue
-            if kind == "ab":
-                sa, sb = a3[s], b3[s]
-            elif kind == "a":
-                sa, sb = a3[s], _Identity.get(one, r_max)
-            else:
-                sa, sb = _Identity.get(one, r_max), b3[s]
-            cols, rows = sa.shape[1], sb.shape[0]
-            entries.append(LoraDelta.view((sa.data_ptr(), sa.stride(0)),
-                                          (sb.data_ptr(), sb.stride(0)), dtype=name, rank=rank,
-                                          rows=rows, cols=cols, b_by_row=True, scale=_ONE,
-                                          keep=(sa, sb)))
-        self.bank = LoraBank(entries)
+        try:
+            for s, rank in enumerate(ranks):
+                if rank == 0:
+                    entries.append(None)          # an empty slot adds nothing
+                    continue
+                if kind == "ab":
+                    sa, sb = a3[s], b3[s]
+                elif kind == "a":
+                    sa, sb = a3[s], _Identity.get(one, r_max)
+                else:
+                    sa, sb = _Identity.get(one, r_max), b3[s]
+                entries.append(_view(sa, sb, name, rank))
+            self.bank = LoraBank(entries)
+        except (TypeError, ValueError) as exc:   # a layout the views refuse: the torch path
+            self.why = f"{type(exc).__name__}: {exc}"
 
 
 _ONE = LoraScale(1.0)   # vLLM folds alpha/r into B; a call's own `scale` goes per position
@@ -211,16 +208,18 @@ class _ExpertViews:
             if rank == 0:
                 entries.append(None)
                 continue
-            deltas = []
-            for e in range(a4.shape[1]):
-                a, b = a4[s, e], b4[s, e]
-                deltas.append(LoraDelta.view((a.data_ptr(), a.stride(0)),
-                                             (b.data_ptr(), b.stride(0)), dtype=name,
-                                             rank=rank, rows=b.shape[0], cols=a.shape[1],
-                                             b_by_row=True, scale=_ONE, keep=(a, b)))
-            entries.append(LoraExperts._from_deltas(deltas))
+            entries.append(LoraExperts._from_deltas(
+                [_view(a4[s, e], b4[s, e], name, rank) for e in range(a4.shape[1])]))
         self.bank = LoraBank(entries)
         self.keep = (a4, b4)
+
+
+def _view(a, b, name, rank):
+    """A `LoraDelta` over ``a [r_max, cols]`` and ``b [rows, r_max]`` where they are (rows of
+    any stride), using their first ``rank`` ranks (the rest: vLLM's zero padding)."""
+    return LoraDelta.view((a.data_ptr(), a.stride(0)), (b.data_ptr(), b.stride(0)), dtype=name,
+                          rank=rank, rows=b.shape[0], cols=a.shape[1], b_by_row=True,
+                          scale=_ONE, keep=(a, b))
 
 
 def _key(a, b):
