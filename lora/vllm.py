@@ -96,9 +96,13 @@ def register():
             reason = f"vLLM's platform is {platform_cls.__name__}, not its CPU platform"
     if reason is None:
         platform_cls.get_punica_wrapper = classmethod(_qualname)
-        from . import _vllm_moe
+        try:   # expert LoRA: vLLM's MoE LoRA backend choice on the CPU
+            from . import _vllm_moe
 
-        _vllm_moe.install()   # expert LoRA: vLLM's MoE LoRA backend choice on the CPU
+            _vllm_moe.install()
+        except (ImportError, AttributeError) as exc:   # a CPU build without those modules
+            _warn_once("moe", f"lora-kernels: expert LoRA is not served in this vLLM build "
+                              f"({type(exc).__name__}: {exc}); dense LoRA is")
     decision = ("lora-kernels serves vLLM's CPU LoRA: " + QUALNAME if reason is None
                 else f"lora-kernels plug-in inactive ({reason}): vLLM's own LoRA wrapper runs")
     if _registered != decision:
