@@ -79,7 +79,18 @@ def register():
     """vLLM's general-plugin hook: on vLLM's CPU platform (and its subclasses), make vLLM build
     `PunicaWrapper` for LoRA-enabled models.  Elsewhere, with ``LORA_VLLM=0``, or outside
     `SUPPORTED`, it changes nothing (outside the range: a warning).  Safe to call many times;
-    logs its decision once per process."""
+    logs its decision once per process; never raises into vLLM's plugin loader (which does
+    not catch): anything unexpected is a warning and vLLM's own path.  Returns True when the
+    plug-in is active."""
+    try:
+        return _register()
+    except Exception as exc:  # noqa: BLE001 - a plug-in must not stop vLLM from starting
+        _warn_once("register", f"lora-kernels: the vLLM plug-in could not register "
+                               f"({type(exc).__name__}: {exc}); vLLM's own LoRA path runs")
+        return False
+
+
+def _register():
     global _registered
     reason = disabled_by_env()
     platform_cls = None

@@ -172,3 +172,23 @@ def test_methods_this_plugin_does_not_know_warn_and_run_vllms(monkeypatch):
         assert wrapped(object(), 1) == "ok" and wrapped(object(), 2) == "ok"
     assert calls == [(1,), (2,)]
     assert sum("future_op" in str(c.message) for c in caught) == 1
+
+
+@pytest.mark.vllm
+def test_register_never_raises_into_vllms_plugin_loader(vllm_cpu, monkeypatch):
+    """vLLM's load_general_plugins does not catch what a plug-in raises: anything unexpected
+    in register() is a warning and vLLM's own path, never a process that cannot start."""
+    import lora.vllm as lv
+
+    def broken(version):
+        raise RuntimeError("something unexpected")
+
+    monkeypatch.delenv("LORA_VLLM", raising=False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setattr(lv, "in_range", broken)
+    lv._warned.discard("register")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert lv.register() is False
+    assert any("something unexpected" in str(c.message) for c in caught)
+    assert vllm_cpu.get_punica_wrapper().endswith("PunicaWrapperCPU")
