@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 from . import _dtypes as dtypes
 from ._vllm_plugin import ENTRY_POINT, SUPPORTED, disabled_by_env, in_range, supported_text
-from ._runtime import get_num_threads, set_num_threads
+from ._runtime import get_num_threads, kernel_info, set_num_threads
 from .bank import LoraBank
 from .delta import LoraDelta
 from .experts import LoraExperts
@@ -57,6 +57,7 @@ _lock = threading.Lock()
 _stats = collections.Counter()
 _warned = set()
 _registered = None               # what register() decided in this process (logged once)
+_built_logged = False            # the first PunicaWrapper of this process logged itself
 
 
 def stats():
@@ -280,6 +281,12 @@ class PunicaWrapper(PunicaWrapperCPU):
         n = torch.get_num_threads()
         if n >= 1 and get_num_threads() > n:
             set_num_threads(n)
+        global _built_logged
+        if not _built_logged:   # once per process, after vLLM has configured its logging
+            _built_logged = True
+            info = kernel_info()
+            log.info("lora-kernels %s serves this model's LoRA layers (kernels: %s, up to %d "
+                     "threads)", info["version"], info["isa"], info["threads"])
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
         """vLLM's own, then whether any token / any logits row has a slot this step (a step of

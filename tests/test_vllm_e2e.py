@@ -214,6 +214,8 @@ def test_mixed_batch_in_the_multiprocess_engine_with_ld_preload(models, oracle, 
     assert "libiomp is not found in LD_PRELOAD" not in result["log"]
     check_served(result, ("add_lora_linear", "add_lora_logits", "add_lora_embedding"))
     assert "Using PunicaWrapper." in result["log"]
+    assert "lora-kernels serves vLLM's CPU LoRA: lora.vllm.PunicaWrapper" in result["log"]
+    assert "serves this model's LoRA layers (kernels: " in result["log"]
     check_tokens(result, reqs, oracle)
 
 
@@ -243,8 +245,8 @@ def test_lora_vllm_0_leaves_vllms_stock_wrapper(models, tmp_path):
     for w in result["workers"]:
         assert w["wrapper"] == [STOCK], w
         assert w["stats"] == {}, w
-    assert "Using PunicaWrapperCPU." in result["log"]
-    assert "inactive (LORA_VLLM=0)" in result["log"]
+    assert "Using PunicaWrapperCPU." in result["log"]         # vLLM's own line: its wrapper
+    assert "serves this model's LoRA layers" not in result["log"]
 
 
 def test_expert_lora_on_a_moe_model(moe_models, moe_oracle, tmp_path):
