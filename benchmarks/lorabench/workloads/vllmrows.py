@@ -190,9 +190,9 @@ def build_linear(ctx, tokens, logits=False, r_max=RANK):
 # ------------------------------------------------------------------------------ serving
 def _serve(ctx, quick, status):
     """Both engines' timings (cached in ctx for the three rows)."""
+    _vllm()
     if quick:
         raise Skip("--quick: the serving rows start two vLLM engines (minutes); run without --quick")
-    _vllm()
     key = ("vllm serve",)
     if key in ctx.cache:
         got = ctx.cache[key]
@@ -243,14 +243,21 @@ def _serve_row(row, quick):
     return run
 
 
+def linear_name(tokens):
+    return f"vllm add_lora_linear qkv t{tokens}"
+
+
+LOGITS_NAME = f"vllm add_lora_logits t{LOGITS_ROWS}"
+PADDED_NAME = f"vllm add_lora_linear qkv t512 r16 in r{PADDED}"
+OP_ROWS = tuple(linear_name(t) for t in OP_TOKENS) + (LOGITS_NAME,)   # the targets' op rows
+
+
 def workloads(quick):
     W = []
     for t in OP_TOKENS:
-        W.append(Workload(f"vllm add_lora_linear qkv t{t}", "vllm", "bfloat16",
-                          lambda c, t=t: build_linear(c, t)))
-    W.append(Workload(f"vllm add_lora_linear qkv t512 r16 in r{PADDED}", "vllm", "bfloat16",
-                      lambda c: build_linear(c, 512, r_max=PADDED)))
-    W.append(Workload(f"vllm add_lora_logits t{LOGITS_ROWS}", "vllm", "bfloat16",
+        W.append(Workload(linear_name(t), "vllm", "bfloat16", lambda c, t=t: build_linear(c, t)))
+    W.append(Workload(PADDED_NAME, "vllm", "bfloat16", lambda c: build_linear(c, 512, r_max=PADDED)))
+    W.append(Workload(LOGITS_NAME, "vllm", "bfloat16",
                       lambda c: build_linear(c, LOGITS_ROWS, logits=True)))
     for row, name in SERVE_ROWS:
         W.append(Workload(name, "vllm serving", "bfloat16", None, run=_serve_row(row, quick)))
