@@ -47,6 +47,10 @@ def _info(out):
         elif isinstance(value, dict):  # the cpu: vendor AuthenticAMD, family 25, ...
             value = ", ".join(f"{k} {v}" for k, v in value.items())
         print(f"{key}: {value}", file=out)
+    from ._vllm_plugin import status   # package metadata only: vLLM is not imported
+
+    for key, value in status().items():
+        print(f"{key}: {value}", file=out)
 
 
 def _base_weights(path, modules):

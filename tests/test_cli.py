@@ -158,7 +158,8 @@ def test_info_prints_kernel_info():
     assert res.returncode == 0, res.stderr
     info = lora.kernel_info()
     lines = res.stdout.splitlines()
-    assert [l.split(":", 1)[0] for l in lines] == list(info)
+    # kernel_info() one key per line, then the vLLM plug-in's two (tests/test_vllm_plugin.py)
+    assert [l.split(":", 1)[0] for l in lines] == list(info) + ["vllm", "vllm plug-in"]
     got = dict(l.split(": ", 1) for l in lines)
     assert got["isa"] == info["isa"]
     assert got["available_isas"].split(", ") == list(info["available_isas"])

@@ -13,7 +13,7 @@ import traceback
 import numpy as np
 
 from . import isacompare, machine, peftmodel, report, targets, teamcompare, workloads
-from .workloads import dorapeft, moepeft
+from .workloads import dorapeft, moepeft, vllmrows
 from .timing import TimingConfig
 
 REEXEC_NOTE = "LORA_BENCH_CLEARED"  # set by bench.py when it re-executed without OpenBLAS overrides
@@ -69,6 +69,9 @@ COLUMNS_NOTE = [
   "  adapter layers disabled under accelerate_peft (our experts forward); transformers' = the same under PEFT.",
   "  peft dora rows: the peft rows' Llama with DoRA and plain adapters (lorabench/workloads/dorapeft.py);",
   "  ours / PEFT on DoRA d0, plain = the plain adapter p0; the mixed batch mixes both kinds (ours only).",
+  "  vllm rows: vLLM's CPU LoRA methods (lorabench/workloads/vllmrows.py): ours = lora.vllm.PunicaWrapper,",
+  "  stock = vLLM's PunicaWrapperCPU, grouped torch = index_select + matmul per slot; vllm serve rows: whole",
+  "  LLM.generate runs, one engine with each wrapper; x (a) = the row's time over (a)'s with the same wrapper.",
 ]
 
 
@@ -134,6 +137,7 @@ def main(argv=None, description=None):
                             quick=quick)
     W += peftmodel.workloads(peft_layers)
     W += moepeft.workloads(quick)
+    W += vllmrows.workloads(quick)
     W += dorapeft.workloads(quick)
     if args.only:
         W = [w for w in W if any(t in f"{w.name} {w.group} {w.dtype}" for t in args.only)]

@@ -237,6 +237,9 @@ def table_lines(W):
             other.append(f"DoRA/plain LoRA {1 / sp['plain']:.2f}x")
             if "peft_dora" in sp:
                 other.append(f"vs PEFT's default DoRA (norm every call) {_ratio(sp['peft_dora'])}")
+        elif w.group in ("vllm", "vllm serving"):
+            naive = tuned = tor = None
+            other += _vllm_notes(w)
         elif w.group == "merge":
             tor = "torch"
             if "peft" in sp:
@@ -299,6 +302,25 @@ def _edge_notes(w):
         return [f"tensors {fmt_time(impls['ours_torch']['median_s'])}, "
                 f"{(impls['ours_torch']['median_s'] - t) * 1e6:+.2f} µs over ndarrays"]
     return []
+
+
+def _vllm_notes(w):
+    """The "other" column of the vLLM rows: vLLM's stock wrapper and grouped torch as ratios;
+    a serving row's time over (a)'s with the same wrapper, and both wrappers' throughput."""
+    r, sp = w.result, w.result["speedup"]
+    notes = [f"vs vLLM stock {_ratio(sp.get('vllm_stock'))}"]
+    if "torch_grouped" in sp:
+        notes.append(f"vs grouped torch {_ratio(sp['torch_grouped'])}")
+    if "ours_padded" in sp:
+        notes.append(f"padded ranks computed: {sp['ours_padded']:.2f}x the time")
+    if "base_ours_s" in r:
+        ours, stock = r["impls"]["ours"]["median_s"], r["impls"]["vllm_stock"]["median_s"]
+        notes.append(f"x (a): ours {ours / r['base_ours_s']:.2f}x, stock {stock / r['base_stock_s']:.2f}x")
+        notes.append(f"tok/s: ours {r['tokens'] / ours:.0f}, stock {r['tokens'] / stock:.0f}")
+    if "tokens" in r and "base_rows" in r:
+        notes.append(f"{r['tokens']} tokens ({r['base_rows']} base) over {r['slots']} slots, r{r['rank']}"
+                     + (f" in max_lora_rank {r['r_max']}" if r.get("r_max", r["rank"]) != r["rank"] else ""))
+    return notes
 
 
 def _peft_notes(w):

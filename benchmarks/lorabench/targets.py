@@ -13,7 +13,7 @@ from .machine import CpuMonitor, fmt_bytes
 from .peftmodel import DECODE as PEFT_DECODE
 from .peftmodel import MIXED_NAME as PEFT_MIXED
 from .peftmodel import fmt_overhead, overheads
-from .workloads import dorapeft, moepeft
+from .workloads import dorapeft, moepeft, vllmrows
 from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, dora_name, edge_name,
                         gather_name, halfact_name, moe_name, prefill_name, stack_name)
 
@@ -163,6 +163,18 @@ class Micros:
             return t, "", rows[:1]
         t0 = impls[self.minus]["median_s"] * 1e6
         return t - t0, f"{self.impl} {t:.2f} µs, {self.minus} {t0:.2f} µs", rows[:1]
+
+
+@dataclass(frozen=True)
+class OverBase:
+    """A vLLM serving row's time with our wrapper over row (a)'s, no adapters (same engine)."""
+
+    def __call__(self, rows, run):
+        r = rows[0].result
+        if "base_ours_s" not in r:
+            return None, "row (a) not measured", rows[:1]
+        t = r["impls"]["ours"]["median_s"]
+        return t / r["base_ours_s"], f"{t:.2f} s, (a) {r['base_ours_s']:.2f} s", rows[:1]
 
 
 @dataclass(frozen=True)
@@ -346,6 +358,18 @@ TARGETS = (
                   RoofShare(), ">=", 0.6)) if tok == 1 else
           (Target(f"{moe_name(proj, tok)} {DT[d]} time / the same pairs through a LoraBank",
                   Rows("moe", d, moe_name(proj, tok)), Speedup("bank", inverse=True), "<=", 1.1),)))),
+    # vLLM on the CPU (lora.vllm): its CPU LoRA methods against its stock wrapper and grouped
+    # torch; whole LLM.generate runs with adapters over the same engine's run without any
+    *(t for name in vllmrows.OP_ROWS for t in (
+        Target(f"{name} bf16 vs vLLM's stock wrapper", Rows("vllm", "bfloat16", name),
+               Speedup("vllm_stock"), ">=", 20.0),
+        Target(f"{name} bf16 vs grouped torch", Rows("vllm", "bfloat16", name),
+               Speedup("torch_grouped"), ">=", 2.0))),
+    *(t for _, name in vllmrows.SERVE_ROWS[1:] for t in (
+        Target(f"{name}: time / (a) no adapters", Rows("vllm serving", "bfloat16", name), OverBase(),
+               "<=", 1.15),
+        Target(f"{name}: throughput vs vLLM's stock wrapper", Rows("vllm serving", "bfloat16", name),
+               Speedup("vllm_stock"), ">=", 3.0))),
     Target("import lora, fresh interpreter (ms)", Rows("startup", name="python -c 'import lora'"),
            Milliseconds(), "<=", 150),
     Target("python -m lora info (ms)", Rows("startup", name="python -m lora info"), Milliseconds(), "<=", 300),
