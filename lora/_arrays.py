@@ -17,8 +17,7 @@ import numpy as np
 from . import _dtypes as dtypes
 from ._lora_cffi import ffi
 from ._status import id_error, position_of
-from ._torch import (TORCH_CODES, check_tensor_place, is_tensor, note_write, torch_code,
-                     torch_init, torch_module)
+from ._torch import check_tensor_place, is_tensor, note_write, torch_code, torch_module
 
 F32 = np.dtype(np.float32)  # what an x the kernels cannot read in place is converted to
 I64 = np.dtype(np.int64)

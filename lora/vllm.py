@@ -32,13 +32,10 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         "index as an extra index (or upstream vLLM's CPU wheels); docs/vllm.md has both routes "
         f"({exc})") from exc
 
-from . import _dtypes as dtypes
-from ._vllm_plugin import ENTRY_POINT, SUPPORTED, disabled_by_env, in_range, supported_text
 from ._runtime import get_num_threads, kernel_info, set_num_threads
-from .kinds.bank import LoraBank
-from .kinds.delta import LoraDelta
-from .kinds.experts import LoraExperts
-from .scale import LoraScale
+from ._vllm_plugin import ENTRY_POINT, SUPPORTED, disabled_by_env, in_range, supported_text
+from ._vllm_torch import slots_any, torch_experts, torch_slice, zero_pairs, zero_rows
+from ._vllm_views import ExpertViews, Views, cannot_experts, slots_key
 
 __all__ = ["PunicaWrapper", "register", "stats", "SUPPORTED", "ENTRY_POINT"]
 
@@ -47,9 +44,6 @@ QUALNAME = "lora.vllm.PunicaWrapper"
 # vLLM's own logger tree, so the lines show in vLLM's log format and level
 log = logging.getLogger("vllm.lora_kernels")
 
-# Skip the zero-padded ranks of a slot (vLLM pads every adapter to max_lora_rank): the
-# package-internal switch the benchmark turns off to measure what the padding costs
-TRIM_RANK = True
 
 _lock = threading.Lock()
 # "kernels:<method>" / "torch:<method>": calls served in this process (vLLM runs a worker's
@@ -128,137 +122,6 @@ def _qualname(cls):
 
 
 # ---------------------------------------------------------------------------- slot views
-def _storage(t):
-    """The lora-kernels storage dtype name of a torch tensor's dtype, or None."""
-    return dtypes.NAME_OF.get(dtypes.torch_codes().get(t.dtype))
-
-
-class _Identity:
-    """Identity matrices of one storage dtype and size, kept per (dtype, n): the other factor
-    of a shrink alone (``B = I``) or an expand alone (``A = I``), which is exact."""
-
-    _cache = {}
-
-    @classmethod
-    def get(cls, torch_dtype, n):
-        key = (torch_dtype, n)
-        eye = cls._cache.get(key)
-        if eye is None:
-            eye = cls._cache[key] = torch.eye(n, dtype=torch_dtype)
-        return eye
-
-
-def _ranks(a, b):
-    """Per slot, the rank that carries weight: the last k with A[k] and B[:, k] both nonzero, + 1
-    (vLLM zero-pads each adapter to max_lora_rank); a slot of zeros gets 0.  ``a`` [S, r, in],
-    ``b`` [S, out, r]; None stands for an identity factor."""
-    nz = None
-    if a is not None:
-        nz = a.abs().amax(dim=2) != 0                      # [S, r]
-    if b is not None:
-        nzb = b.abs().amax(dim=1) != 0                     # [S, r]
-        nz = nzb if nz is None else nz & nzb
-    r = nz.shape[1]
-    idx = torch.arange(1, r + 1).expand_as(nz)
-    return (idx * nz).amax(dim=1).tolist()
-
-
-class _Views:
-    """A `LoraBank` over one layer's stacked slot tensors, one entry per slot, each a
-    `LoraDelta` view of the slot's memory (no copy).  ``kind``: "ab" (A and B: a whole LoRA
-    term), "a" (A with B = I: a shrink into the rank buffer), "b" (A = I, B: an expand).  Kept
-    while the tensors' data pointers, shapes and version counters are unchanged: vLLM writes
-    a new adapter into a slot in place (which bumps the version), so the next call rebuilds.
-    ``bank`` is None and ``why`` says why when the kernels cannot read the tensors."""
-
-    __slots__ = ("key", "bank", "why", "keep")
-
-    def __init__(self, kind, a, b):
-        self.key = _key(a, b)
-        self.bank, self.keep = None, (a, b)
-        a3 = None if a is None else _slots3(a)
-        b3 = None if b is None else _slots3(b)
-        self.why = _cannot(a, b, a3, b3)
-        if self.why is not None:
-            return
-        r_max = a3.shape[1] if a3 is not None else b3.shape[2]
-        slots = (a3 if a3 is not None else b3).shape[0]
-        ranks = _ranks(a3, b3) if TRIM_RANK else [r_max] * slots
-        one = (a3 if a3 is not None else b3).dtype
-        name = _storage(a3 if a3 is not None else b3)
-        entries = []
-        try:
-            for s, rank in enumerate(ranks):
-                if rank == 0:
-                    entries.append(None)          # an empty slot adds nothing
-                    continue
-                if kind == "ab":
-                    sa, sb = a3[s], b3[s]
-                elif kind == "a":
-                    sa, sb = a3[s], _Identity.get(one, r_max)
-                else:
-                    sa, sb = _Identity.get(one, r_max), b3[s]
-                entries.append(_view(sa, sb, name, rank))
-            self.bank = LoraBank(entries)
-        except (TypeError, ValueError) as exc:   # a layout the views refuse: the torch path
-            self.why = f"{type(exc).__name__}: {exc}"
-
-
-_ONE = LoraScale(1.0)   # vLLM folds alpha/r into B; a call's own `scale` goes per position
-
-
-class _ExpertViews:
-    """A `LoraBank` of `LoraExperts` over one MoE layer's stacked expert slots (``a``
-    ``[slots, E, r_max, in]``, ``b`` ``[slots, E, out, r_max]``), one entry per slot, each
-    expert a `LoraDelta` view of its memory; kept and rebuilt as `_Views`."""
-
-    __slots__ = ("key", "bank", "keep")
-
-    def __init__(self, a4, b4):
-        self.key = _key(a4, b4)
-        name = _storage(a4)
-        entries = []
-        for s in range(a4.shape[0]):
-            ranks = _ranks(a4[s], b4[s]) if TRIM_RANK else [a4.shape[2]]
-            rank = max(ranks)
-            if rank == 0:
-                entries.append(None)
-                continue
-            entries.append(LoraExperts._from_deltas(
-                [_view(a4[s, e], b4[s, e], name, rank) for e in range(a4.shape[1])]))
-        self.bank = LoraBank(entries)
-        self.keep = (a4, b4)
-
-
-def _view(a, b, name, rank):
-    """A `LoraDelta` over ``a [r_max, cols]`` and ``b [rows, r_max]`` where they are (rows of
-    any stride), using their first ``rank`` ranks (the rest: vLLM's zero padding)."""
-    return LoraDelta.view((a.data_ptr(), a.stride(0)), (b.data_ptr(), b.stride(0)), dtype=name,
-                          rank=rank, rows=b.shape[0], cols=a.shape[1], b_by_row=True,
-                          scale=_ONE, keep=(a, b))
-
-
-def _key(a, b):
-    """What a kept bank of views depends on: each tensor's data pointer, version counter (vLLM's
-    in-place slot writes bump it), shape and dtype."""
-    return (None if a is None else (a.data_ptr(), a._version, a.shape, a.dtype),
-            None if b is None else (b.data_ptr(), b._version, b.shape, b.dtype))
-
-
-def _slots3(t):
-    """vLLM's stacked tensor ``[slots, 1, n, m]`` (or ``[slots, n, m]``) as ``[slots, n, m]``,
-    or None when it is not a CPU tensor whose last axis is contiguous."""
-    if t.dim() == 4 and t.shape[1] == 1:
-        t = t[:, 0]
-    if t.dim() != 3 or not t.is_cpu or (t.stride(2) != 1 and t.shape[2] > 1):
-        return None
-    return t
-
-
-# ---------------------------------------------------------------------------- the wrapper
-_ACT = (torch.float32, torch.bfloat16, torch.float16)
-
-
 class PunicaWrapper(PunicaWrapperCPU):
     """vLLM's CPU punica wrapper with its LoRA methods on lora-kernels' bank kernel.
 
@@ -297,12 +160,12 @@ class PunicaWrapper(PunicaWrapperCPU):
 
     # ------------------------------------------------------------------ helpers
     def _views_of(self, kind, a, b):
-        """The kept `_Views` for vLLM's slot tensors ``a`` / ``b``, rebuilt when a data
+        """The kept `Views` for vLLM's slot tensors ``a`` / ``b``, rebuilt when a data
         pointer, shape or version counter changed."""
         key = (kind, id(a), id(b))
         got = self._views.get(key)
-        if got is None or got.key != _key(a, b):
-            got = _Views(kind, a, b)
+        if got is None or got.key != slots_key(a, b):
+            got = Views(kind, a, b)
             if len(self._views) > 512:   # tensors that went away: start afresh
                 self._views.clear()
             self._views[key] = got
@@ -327,7 +190,7 @@ class PunicaWrapper(PunicaWrapperCPU):
 
     def _apply(self, method, kind, out, x, a, b, ids, scale, assign=False):
         """One slice: ``out (+)= scale * (x A^T) B^T`` per row's slot, ``a`` / ``b`` vLLM's
-        stacked slot tensors (kind as `_Views`: None for the identity side); ``assign`` zeroes
+        stacked slot tensors (kind as `Views`: None for the identity side); ``assign`` zeroes
         the served rows first (vLLM's shrink, or add_inputs=False).  ``x`` and ``out`` are
         checked by the bank call itself, before it writes: a TypeError or ValueError from it
         (a dtype, a device, a shape the kernels do not take) sends the slice to the torch path,
@@ -339,24 +202,24 @@ class PunicaWrapper(PunicaWrapperCPU):
                 scales = None if scale == 1.0 else torch.full((ids.shape[0],), float(scale),
                                                               dtype=torch.float64)
                 if assign:
-                    _zero_rows(out, ids)
+                    zero_rows(out, ids)
                 views.bank.add_batch_to(x, out, ids, scales)
                 _stats["kernels:" + method] += 1
                 return
             except (TypeError, ValueError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
-        self._served(method, why, lambda: _torch_slice(kind, out, x, _s3(a), _s3(b), ids, scale,
-                                                       assign))
+        self._served(method, why, lambda: torch_slice(kind, out, x, slots_any(a), slots_any(b),
+                                                       ids, scale, assign))
 
     def _experts(self, method, out, x, a, b, ids, experts, scales):
         """One expert slice: ``out[t, j] += scales[t, j] * B_{s,e} (A_{s,e} x)`` with ``s`` the
         token's slot and ``e = experts[t, j]`` (-1: none)."""
-        why = _cannot_experts(out, x, a, b)
+        why = cannot_experts(out, x, a, b)
         if why is None:
             try:
                 got = self._views.get(("experts", id(a), id(b)))
-                if got is None or got.key != _key(a, b):
-                    got = self._views[("experts", id(a), id(b))] = _ExpertViews(a, b)
+                if got is None or got.key != slots_key(a, b):
+                    got = self._views[("experts", id(a), id(b))] = ExpertViews(a, b)
                 if scales is None:
                     got.bank.add_experts_to(x, out, ids, experts)
                 else:
@@ -366,7 +229,7 @@ class PunicaWrapper(PunicaWrapperCPU):
                 return
             except (TypeError, ValueError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
-        self._served(method, why, lambda: _torch_experts(out, x, a, b, ids, experts, scales))
+        self._served(method, why, lambda: torch_experts(out, x, a, b, ids, experts, scales))
 
     def _moe_ids(self, token_lora_mapping, topk_ids, expert_map, n):
         ids = self.token_lora_indices if token_lora_mapping is None else token_lora_mapping
@@ -387,7 +250,7 @@ class PunicaWrapper(PunicaWrapperCPU):
         ids, experts = self._moe_ids(token_lora_mapping, topk_ids, expert_map, T)
         y3 = y.view(T, experts.shape[1], -1)
         if not add_inputs:
-            _zero_pairs(y3, ids, experts)
+            zero_pairs(y3, ids, experts)
         off = 0
         for a, b in zip(lora_a_stacked, lora_b_stacked):
             n = b.shape[-2]
@@ -412,7 +275,7 @@ class PunicaWrapper(PunicaWrapperCPU):
             raise ValueError(f"add_lora_w2 needs the [{T}, {k}] expert ids add_lora_w13 "
                              f"returned; got {None if experts is None else tuple(experts.shape)}")
         if not add_inputs:
-            _zero_pairs(y, ids, experts)
+            zero_pairs(y, ids, experts)
         self._experts("add_lora_w2", y, x.view(T, k, -1), lora_a_stacked[0], lora_b_stacked[0],
                       ids, experts, topk_weights.to(torch.float64).reshape(T, k))
 
@@ -484,102 +347,9 @@ class PunicaWrapper(PunicaWrapperCPU):
                     ids, scale)
 
 
-def _cannot(a, b, a3, b3):
-    """Why the kernels cannot read these slot tensors (None: they can)."""
-    if (a is not None and a3 is None) or (b is not None and b3 is None):
-        return "a slot tensor is not [slots, 1, n, m] on the CPU with its last axis contiguous"
-    for t in (a3, b3):
-        if t is not None and _storage(t) is None:
-            return f"the slot tensors are {t.dtype}, not float32, bfloat16 or float16"
-    if a3 is not None and b3 is not None and (a3.dtype != b3.dtype or a3.shape[1] != b3.shape[2]
-                                              or a3.shape[0] != b3.shape[0]):
-        return f"lora_a {tuple(a3.shape)} {a3.dtype} and lora_b {tuple(b3.shape)} {b3.dtype} differ"
-    return None
-
-
-def _s3(t):
-    """A stacked tensor as ``[slots, n, m]`` for the torch path (any device or layout)."""
-    if t is None:
-        return None
-    return t[:, 0] if t.dim() == 4 else t
-
-
-def _cannot_experts(out, x, a, b):
-    """Why the kernels cannot serve this expert slice (None: they can)."""
-    for name, t in (("y", out), ("x", x)):
-        if not t.is_cpu:
-            return f"{name} is on {t.device}"
-        if t.dtype not in _ACT:
-            return f"{name} is {t.dtype}"
-    for name, t in (("lora_a", a), ("lora_b", b)):
-        if t.dim() != 4 or not t.is_cpu or _storage(t) is None or \
-                (t.stride(3) != 1 and t.shape[3] > 1):
-            return f"{name} {tuple(t.shape)} {t.dtype} is not [slots, experts, n, m] on the CPU"
-    if a.dtype != b.dtype or a.shape[:2] != b.shape[:2] or a.shape[2] != b.shape[3]:
-        return f"lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not pair"
-    if out.shape[-1] != b.shape[2] or x.shape[-1] != a.shape[3]:
-        return (f"y's slice has {out.shape[-1]} columns and x {x.shape[-1]}; the experts are "
-                f"[{b.shape[2]} x {a.shape[3]}]")
-    return None
-
-
-def _zero_pairs(y, ids, experts):
-    """Zero ``y [T, k, n]`` at the (token, slot) pairs a LoRA serves (assign semantics)."""
-    mask = (ids >= 0).unsqueeze(1) & (experts >= 0)
-    y[mask] = 0
-
-
-def _torch_experts(out, x, a, b, ids, experts, scales):
-    """The grouped torch path for expert LoRA: per (slot, expert) in the batch, its pairs'
-    rows through float32 matmuls, rounded once into ``out [T, k, n]``."""
-    T, k = experts.shape
-    slot = ids.unsqueeze(1).expand(T, k)
-    xs = x if x.dim() == 3 else x.unsqueeze(1).expand(T, k, x.shape[-1])
-    for s, e in torch.unique(torch.stack([slot.reshape(-1), experts.reshape(-1)], 1),
-                             dim=0).tolist():
-        if s < 0 or e < 0:
-            continue
-        t, j = ((slot == s) & (experts == e)).nonzero(as_tuple=True)
-        term = (xs[t, j].float() @ a[s, e].float().T) @ b[s, e].float().T
-        if scales is not None:
-            term = term * scales[t, j].unsqueeze(1).float()
-        out[t, j] = (out[t, j].float() + term).to(out.dtype)
-
-
-def _zero_rows(out, ids):
-    """Zero the rows of ``out`` a slot serves (the -1 rows keep their bits)."""
-    if out.shape[0] == 0:
-        return
-    neg = ids < 0
-    if not bool(neg.any()):
-        out.zero_()
-    else:
-        out[~neg] = 0
-
-
-def _torch_slice(kind, out, x, a3, b3, ids, scale, assign):
-    """The grouped torch path: per slot in the batch, its rows through float32 matmuls
-    (``buffer = scale * x A^T``, ``t = buffer B^T``), rounded once into ``out``; -1 rows and
-    rows of no slot untouched."""
-    ids = ids.to(torch.long)
-    for s in torch.unique(ids).tolist():
-        if s < 0:
-            continue
-        rows = (ids == s).nonzero().squeeze(1)
-        t = x.index_select(0, rows).float()
-        if kind != "b":
-            t = scale * (t @ a3[s].float().T)
-        if kind != "a":
-            t = t @ b3[s].float().T
-        if not assign:
-            t = out.index_select(0, rows).float() + t
-        out.index_copy_(0, rows, t.to(out.dtype))
-
-
 # ---------------------------------------------------------------------------- methods we do not serve
 _OURS = {"add_shrink", "add_expand", "add_lora_embedding", "add_lora_linear", "add_lora_logits",
          "add_lora_w13", "add_lora_w2"}
-# vLLM's metadata and its correct methods, used as they are
 # vLLM's metadata and its methods that stay vLLM's: classifier heads (correct as they are), and
 # the GPU MoE kernels' block alignment (the CPU experts call add_lora_w13 / add_lora_w2)
 _VLLMS = {"update_metadata", "apply_lora_full_linear", "moe_lora_align_block_size",

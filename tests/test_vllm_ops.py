@@ -14,6 +14,7 @@ from vllm.lora.layers import LoRAMapping  # noqa: E402
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
 
 import lora.vllm as lv  # noqa: E402
+import lora._vllm_views as lvv  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -280,13 +281,13 @@ def test_rank_trimming_matches_padding():
     y0 = torch.randn(T, n, generator=gen)
     got = {}
     for trim in (True, False):
-        lv.TRIM_RANK = trim
+        lvv.TRIM_RANK = trim
         try:
             y = y0.clone()
             wrapper(IDS).add_lora_linear(y, x, a, b, 1.0, (n,))
             got[trim] = y
         finally:
-            lv.TRIM_RANK = True
+            lvv.TRIM_RANK = True
     check_close(got[True], y0, ref_term(x, a[0], b[0], wrapper(IDS).token_lora_indices, 1.0),
                 torch.float32)
     assert torch.allclose(got[True], got[False], rtol=1e-6, atol=1e-6)

@@ -13,8 +13,6 @@ DoRA embedding: m and g per column of the ``[vocab, dim]`` table, each column's 
 vocab.
 """
 
-import math
-
 import numpy as np
 
 from .. import _arrays as arrays
@@ -27,7 +25,6 @@ from .._lora_cffi import ffi, lib
 from .._merge import _w_array, finite_scale
 from .delta import LoraDelta
 from ..errors import LoraShapeError
-from ..scale import F32_OVERFLOW as _F32_OVERFLOW
 
 __all__ = ["DoraDelta"]
 

@@ -168,14 +168,14 @@ def build_linear(ctx, tokens, logits=False, r_max=RANK):
     impls = {"ours": Impl(call, ours_w, y0()), "vllm_stock": Impl(call, stock_w, y0()),
              "torch_grouped": Impl(lambda y=y0(): _grouped(torch, groups, x, a_cat, bt, y, offsets))}
     if r_max > RANK:   # the same call over views that keep the padded ranks
-        import lora.vllm as lv
+        import lora._vllm_views as lvv
 
         padded_w = _wrappers(ctx, slots)[0]
-        lv.TRIM_RANK = False
+        lvv.TRIM_RANK = False
         try:
             call(padded_w, y0())     # its views are built (and kept) now, untrimmed
         finally:
-            lv.TRIM_RANK = True
+            lvv.TRIM_RANK = True
         impls["ours_padded"] = Impl(call, padded_w, y0())
     used = len(groups)
     served = int((slots >= 0).sum())
