@@ -576,16 +576,16 @@ def test_the_short_path_bumps_the_version_counter_under_grad_mode():
 def _record_plan_runs(monkeypatch):
     """The answers of the short path's C entry (lora._edge.plan_run), as "output" (served in C),
     "none" (declined before the base call) or "tail" (base result handed to the Python tail)."""
-    from lora.peft_accel import _accel_lora
+    from lora.peft_accel import lora_plan
 
-    seen, real = [], _accel_lora._plan_run
+    seen, real = [], lora_plan._plan_run
 
     def recording(plan, x):
         got = real(plan, x)
         seen.append("none" if got is None else "tail" if type(got) is tuple else "output")
         return got
 
-    monkeypatch.setattr(_accel_lora, "_plan_run", recording)
+    monkeypatch.setattr(lora_plan, "_plan_run", recording)
     return seen
 
 

@@ -80,16 +80,16 @@ class Recorder:
 @pytest.fixture
 def runs(monkeypatch):
     """The number of op runs (the layer's term_into, which the op's CPU kernel calls)."""
-    from lora.peft_accel import _accel_lora
+    from lora.peft_accel import lora_layer
 
     count = [0]
-    original = _accel_lora.Layer.term_into
+    original = lora_layer.Layer.term_into
 
     def counted(self, *args):
         count[0] += 1
         return original(self, *args)
 
-    monkeypatch.setattr(_accel_lora.Layer, "term_into", counted)
+    monkeypatch.setattr(lora_layer.Layer, "term_into", counted)
     return count
 
 
@@ -221,7 +221,7 @@ def test_layers_that_cannot_be_traced_are_one_clean_graph_break(kind):
         close(torch.compile(model, backend="eager")(x).logits, ref, kind)   # dynamo alone
         assert acc.accelerated and not acc.skipped
     breaks = torch._dynamo.utils.counters["graph_break"]
-    ours = repr(lora.peft_accel._torch_ops.eager)   # the function torch.compiler.disable made
+    ours = repr(lora.peft_accel.torch_op.eager)   # the function torch.compiler.disable made
     # PEFT's own: aLoRA's offsets are found with a data-dependent nonzero() in PEFT's forward
     peft_own = "aten.nonzero" if kind == "alora" else None
     assert any(ours in reason for reason in breaks), "\n\n".join(breaks)

@@ -40,8 +40,8 @@ from .._entries import EntryTable
 from ..kinds.delta import LoraDelta
 from ..kinds.experts import LoraExperts
 from ..scale import F32_OVERFLOW, LoraScale
-from ._torch_ops import compiling as _compiling, eager as _eager
-from .accelerate import ServedLayer, hook_reason, version
+from .served import ServedLayer, hook_reason, version
+from .torch_op import compiling as _compiling, eager as _eager
 
 __all__ = ["Kind", "Layer"]
 

@@ -39,7 +39,7 @@ def _served(layer):
     (then remembered while that served layer lives), else None."""
     served = _SEEN.get(layer)
     if served is None or not served.acc._active:  # (restored: the module may be served anew)
-        from .accelerate import _ACCELERATED
+        from .served import ACCELERATED as _ACCELERATED
 
         for acc in list(_ACCELERATED.values()):
             found = acc._layers.get(layer)
