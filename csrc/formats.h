@@ -51,9 +51,9 @@ LORA_STATIC_ASSERT(lora_dtype_listed_ == LORA_DTYPE_COUNT, dtype_count_is_the_re
 LORA_DTYPES(LORA_DTYPE_CHECK_, )
 #undef LORA_DTYPE_CHECK_
 
-/* Code that handles dtypes by their element size (delta.c's transposition,
- * merge.c's abs max) knows 2 and 4 bytes: LORA_DTYPES(LORA_SIZE_2_OR_4,
- * where); there stops the build for a dtype of another size. */
+/* Code that handles dtypes by their element size (merge.c's abs max) knows 2
+ * and 4 bytes: LORA_DTYPES(LORA_SIZE_2_OR_4, where); there stops the build for
+ * a dtype of another size. */
 #define LORA_SIZE_2_OR_4(WHERE, CODE, NAME, BYTES, BITS)                                        \
     LORA_STATIC_ASSERT(BYTES == 2 || BYTES == 4, WHERE##_knows_2_and_4_byte_dtypes_not_##NAME);
 
