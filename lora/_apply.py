@@ -80,7 +80,8 @@ def checked(target, op, x, out, ids=None, scales=None, extra=None):
     epi = target.epi_arg(op, idn, posn, n)
     if not n:
         return out
-    st = _edge_apply(target.edge_view(), target.edge_scales(), op, x, out, idn, posn, None, epi)
+    st = _edge_apply(target.edge_view(), target.edge_scales(), op, x, arrays.canonical(out), idn,
+                     posn, None, epi)
     if st == 0:
         return out
     if st == DECLINE:  # pragma: no cover - what the checks made is what the edge takes
@@ -183,8 +184,8 @@ def _experts(target, x, out, expert_ids, adapter_ids, scales):
     x = arrays.check_x(x, out, xshape, batched=True, lead_of=oshape)[0]
     if not n:
         return out
-    st = _edge_apply(target.edge_view(), target.edge_scales(), OP_EXPERTS, x, out, idn, posn, eids,
-                     None)
+    st = _edge_apply(target.edge_view(), target.edge_scales(), OP_EXPERTS, x,
+                     arrays.canonical(out), idn, posn, eids, None)
     if st == 0:
         return out
     if st == DECLINE:  # pragma: no cover - what the checks made is what the edge takes

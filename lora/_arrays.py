@@ -21,6 +21,7 @@ from ._torch import check_tensor_place, is_tensor, note_write, torch_code, torch
 
 F32 = np.dtype(np.float32)  # what an x the kernels cannot read in place is converted to
 I64 = np.dtype(np.int64)
+_F64 = np.dtype(np.float64)
 I64_MAX = np.iinfo(np.int64).max
 _F32_CODE = dtypes.CODES["float32"]
 _VOIDP = ffi.typeof("void *")
@@ -268,7 +269,7 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
             layout = out_layout(shape, strides) if batched else (
                 (1, shape[0]) if shape[0] <= 1 or strides[0] == 1 else None)
             if layout is not None and x.data_ptr() % x.element_size() == 0:
-                return x, ffi.cast(_VOIDP, x.data_ptr()), code, layout[1]
+                return canonical(x), ffi.cast(_VOIDP, x.data_ptr()), code, layout[1]
         no_overlap(x, out)
         copy = x.detach().resolve_neg().to(device="cpu", dtype=torch_module().float32).contiguous()
         if copy.data_ptr() == x.data_ptr():
@@ -286,10 +287,28 @@ def check_x(x, out, shape, what="x", *, batched=False, lead_of=None):
             layout = out_layout(shape, strides) if batched else (
                 (1, shape[0]) if shape[0] <= 1 or strides[0] == 1 else None)
             if layout is not None:
-                return xa, ffi.cast(_VOIDP, xa.__array_interface__["data"][0]), code, layout[1]
+                return (canonical(xa), ffi.cast(_VOIDP, xa.__array_interface__["data"][0]), code,
+                        layout[1])
     no_overlap(xa, out)
     xa = _float32_copy(xa)
     return xa, ffi.from_buffer(xa), _F32_CODE, shape[-1]
+
+
+def canonical(arr):
+    """An array or tensor that passed the checks, as lora._edge reads it: the same memory as a
+    plain ``numpy.ndarray`` of NumPy's own object of its dtype (not a subclass such as
+    ``np.memmap``, nor an equal dtype object with metadata), or a plain ``torch.Tensor`` (not a
+    subclass such as an ``nn.Parameter``: a detached alias, which shares the version counter).
+    Anything else as it is."""
+    if isinstance(arr, np.ndarray):
+        code = np_code(arr.dtype)
+        want = dtypes.BY_CODE[code].numpy if code is not None else None
+        if type(arr) is not np.ndarray:
+            arr = arr.view(np.ndarray)
+        return arr if want is None or arr.dtype is want else arr.view(want)
+    if is_tensor(arr) and type(arr) is not torch_module().Tensor:
+        return arr.detach()
+    return arr
 
 
 def _check_shape(got, want, what, lead_of):
@@ -332,7 +351,7 @@ def as_ids(ids, what, shape=None, *, any_shape=False, bound=None):
                            bound)
     if arr.dtype != I64 or not arr.flags.c_contiguous or not arr.flags.aligned:
         arr = np.array(arr, dtype=I64, order="C", copy=True)
-    return arr
+    return arr if arr.dtype is I64 else arr.view(I64)  # NumPy's own int64 object
 
 
 def per_id_shape(ids, lead, what):
@@ -365,7 +384,8 @@ def as_scales(scales, what="scales"):
     if not np.isfinite(arr.astype(np.float64)).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr.astype(np.float64)))[0])
         raise ValueError(f"{what} has a non-finite value ({arr[bad]}) at index {bad}")
-    return np.ascontiguousarray(arr, dtype=np.float64)
+    out = np.ascontiguousarray(arr, dtype=np.float64)
+    return out if out.dtype is _F64 else out.view(_F64)  # NumPy's own float64 object
 
 
 def token_id(r, rows):

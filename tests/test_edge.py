@@ -665,3 +665,52 @@ def test_a_bank_gather_takes_the_edge(monkeypatch):
                               lambda: np.ones((2, 2, COLS), np.float32))
     assert seen == [0]
     assert_same_bits(o1, o2)
+
+
+def test_dtype_objects_equal_to_the_kernels_dtypes_are_read_through_canonical_views(d):
+    """NumPy dtypes equal to float32 / int64 / float64 but not NumPy's own objects (a dtype
+    with metadata) are declined by the edge, which compares dtype objects, and then read by the
+    checked path through views with NumPy's own objects: the same results, out written in
+    place."""
+    rng = np.random.default_rng(23)
+    f32 = np.dtype(np.float32, metadata={"m": 1})
+    i64 = np.dtype(np.int64, metadata={"m": 1})
+    f64 = np.dtype(np.float64, metadata={"m": 1})
+    assert f32 is not np.dtype(np.float32) and f32 == np.float32
+    x, out = _arrays(rng, (3,), "float32", "float32")
+    ref = _cffi_ref(d, x, out)
+    o = out.astype(f32)
+    assert d.add_batch_to(x.astype(f32), o) is o
+    assert_same_bits(o.view(np.float32), ref)
+    bank = lora.LoraBank([d, None])
+    o = out.astype(f32)
+    bank.add_batch_to(x.astype(f32), o, np.array([0, 1, 0]).astype(i64),
+                      np.array([1.0, 1.0, 1.0]).astype(f64))
+    want = ref.copy()
+    want[1] = out[1]
+    assert_same_bits(o.view(np.float32), want)
+    tok = np.array([1, ROWS - 1]).astype(i64)
+    g = np.zeros((2, COLS), f32)
+    d.add_rows_to(tok, g)
+    assert_same_bits(g.view(np.float32), _rows_ref(d, [1, ROWS - 1], np.zeros((2, COLS), np.float32)))
+
+
+def test_subclasses_are_written_in_place_through_plain_aliases(d, tmp_path):
+    """An out that is a NumPy subclass (np.memmap) or a torch subclass (an nn.Parameter that
+    does not require grad), declined by the edge, which takes the exact types, is written in
+    place by the checked path through a plain alias of the same memory."""
+    rng = np.random.default_rng(24)
+    x, out = _arrays(rng, (2,), "float32", "float32")
+    ref = _cffi_ref(d, x, out)
+    mm = np.memmap(tmp_path / "out.bin", dtype=np.float32, mode="w+", shape=out.shape)
+    mm[:] = out
+    assert d.add_batch_to(x, mm) is mm
+    assert_same_bits(np.asarray(mm), ref)
+    torch = _torch()
+    p = torch.nn.Parameter(torch.from_numpy(out.copy()), requires_grad=False)
+    assert d.add_batch_to(torch.from_numpy(x), p) is p
+    assert_same_bits(p.detach().numpy(), ref)
+    px = torch.nn.Parameter(torch.from_numpy(x.copy()), requires_grad=False)
+    o = out.copy()
+    d.add_batch_to(px, o)
+    assert_same_bits(o, ref)
