@@ -1,6 +1,6 @@
 /*
  * internal.h - what the ISA choice, the team policy, delta storage, the
- * drivers, the merges and the benchmark helper share inside the extension
+ * runners in apply.c, the merges and the benchmark helper share inside the extension
  * (not part of the C API, not seen by cffi).
  */
 #ifndef LORA_INTERNAL_H

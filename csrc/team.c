@@ -3,7 +3,7 @@
  * limits, fork() (the OpenMP pool released before it, the child-after-fork
  * flag), the monotonic timer, and the adaptive team policy that decides
  * whether a call opens a parallel region at all.  Only timing decides here,
- * never the bits: every thread count gives the same results (the drivers
+ * never the bits: every thread count gives the same results (the runners
  * split outputs, never one sum).  Which ISA path runs is isa.c's.
  */
 #if !defined(_WIN32) && !defined(_GNU_SOURCE)
@@ -159,7 +159,7 @@ int lora_get_num_threads(void) {
  * Only the timing decides, never the bits: every thread count gives the same
  * results.  The state is process-wide, read and written with relaxed atomics
  * (a lost update only moves one probe). */
-/* The work floor, in multiply-adds per team synchronisation (the drivers pass
+/* The work floor, in multiply-adds per team synchronisation (apply.c's runners pass
  * a call's work, or its work per block when a team meets at barriers in every
  * block).  Waking a team and its barriers cost ~2-3 us on a 2-vCPU VM: at
  * 2^17 a 4096 x 4096 rank-16 decode ran 5.4 us on one thread against 5.8 us

@@ -2,7 +2,7 @@
 
 The other guarantee tests pin *invariance* (the same bits across threads, batches, banks); this
 file pins the bits themselves, per ISA path x storage dtype x activation dtype x output dtype x
-operation, so a refactor of the kernels or of the drivers that changes any summation order is
+operation, so a refactor of the kernels or of apply.c's runners that changes any summation order is
 caught even when it is consistent everywhere.  The expected SHA-256 of each case lives in
 ``tests/golden_bits.json``, recorded from the kernels as they were when this file was written.
 
@@ -30,7 +30,7 @@ RECORD = os.environ.get("LORA_GOLDEN_RECORD") == "1"
 DTYPES = ("float32", "float16", "bfloat16")
 ROWS, COLS = 45, 70      # tails of 8, 16 and 32 lanes on both axes
 RANKS = (1, 7, 17, 40)   # one lane; a partial tile; past one rank block; several blocks
-BATCHES = (1, 3, 6, 300)  # decode; partial blocks; 300 >= the driver's widen-to-float32 size
+BATCHES = (1, 3, 6, 300)  # decode; partial blocks; 300 >= the runner's widen-to-float32 size
 
 
 def values(shape, seed, scale=1.0):

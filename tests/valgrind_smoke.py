@@ -10,7 +10,7 @@ Not a pytest module (no ``test_`` prefix): a standalone script for the memory ch
 
 Sizes straddle the register widths (1, 7, 15, 16, 17, 31, 32, 33 and an odd larger one) so every
 masked / scalar tail is executed, for each storage dtype; a few shapes are large enough to open an
-OpenMP team, so the threaded drivers run too.  Every result is compared against a float64 NumPy
+OpenMP team, so the threaded runners run too.  Every result is compared against a float64 NumPy
 reference, so a kernel that reads the wrong bytes fails here even when no checker notices.
 
 Usage: ``python tests/valgrind_smoke.py [--quick]``; exits 0 when every check passed and prints the
@@ -230,7 +230,7 @@ def exercise_threads(rng):
 
 
 def exercise_heap_paths(rng):
-    """The drivers' heap fallbacks: rank above the on-stack scratch (512), a bank plan above its
+    """The runners' heap fallbacks: rank above the on-stack scratch (512), a bank plan above its
     on-stack size (256 positions, 16 entries), and the by-block threaded path (many blocks)."""
     lora.set_num_threads(1 << 20)
     d = lora.LoraDelta(rng.standard_normal((600, 17)), rng.standard_normal((33, 600)),
