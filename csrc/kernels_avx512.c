@@ -4,7 +4,8 @@
  * Required features: AVX512F, AVX512BW + AVX512VL (16-bit masked loads for
  * the half-precision tails), FMA, F16C (isa.c checks all of them).
  * Instructions: vfmadd231ps on 16-lane zmm registers; float16 storage is
- * widened with vcvtph2ps; bfloat16 storage 32 values per 64-byte load, split
+ * widened with vcvtph2ps; Q8_0 storage 16 int8 values a load (vpmovsxbd,
+ * vcvtdq2ps, vmulps by the block's float16 scale: exact); bfloat16 storage 32 values per 64-byte load, split
  * into its even- and odd-indexed values by two vpshufb (exact, port 5, off
  * the FMA port; see bf16_even_f32x16_), or with vpmovzxwd + vpslld 16 for
  * 16-value tiles, tails and by-row terms.  Packed rows start on 64-byte lines
@@ -21,8 +22,8 @@
  *               (s4_1 + s4_3) (the tree GCC's _mm512_reduce_add_ps uses;
  *               written out so that no compiler picks another).  Lane l is an fma-chain from 0 over the block's
  *               columns j ascending,
- *                 float32/float16 A: j = l (mod 16), the last partial 16
- *                   columns loaded with a mask (masked-off lanes add 0*0);
+ *                 float32/float16/Q8_0 A: j = l (mod 16), the last partial
+ *                   16 columns loaded with a mask (masked-off lanes add 0*0);
  *                 bfloat16 A: the j with floor(j / 2) = l (mod 16), i.e.
  *                   32c + 2l then 32c + 2l + 1 for c = 0, 1, ...; the last
  *                   partial 32 columns loaded with a mask (masked-off lanes
@@ -102,11 +103,30 @@ INLINE_ float hsum_f32x16_(__m512 v) {
 /* A run of a factor's values as float32 (exact): 16 of them, the same under
  * a mask, and the raw 32 values of a 64-byte load (bfloat16's pair order,
  * bf16_even/odd_f32x16_).  The one place this file reads a storage format; an
- * element format is its dtype's values. */
-LORA_FORMATS_HANDLED(3, avx512_run_loads_know_f32_f16_bf16);
-INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) { return load_f32x16_(r.v, e, f); }
+ * element format is its dtype's values; a Q8_0 value is d * q (vpmovsxbd,
+ * vcvtdq2ps, then one vmulps by the block's scale, vcvtph2ps of a broadcast
+ * float16: the product of an 8-bit integer and a float16 is exact in
+ * float32), so a Q8_0 factor is summed in float32's order.  Runs start at
+ * multiples of 16 (rows are multiples of 32 long, tiles and thread splits
+ * step by 16), so 16 values never straddle two blocks: one scale a vector. */
+LORA_FORMATS_HANDLED(4, avx512_run_loads_know_f32_f16_bf16_q8_0);
+INLINE_ __m512 q8_0_scale_f32x16_(lora_run r, int64_t e) {
+    return _mm512_cvtph_ps(_mm256_set1_epi16((short)r.d[e >> 5]));
+}
+
+INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) {
+    if (f == LORA_FMT_Q8_0) {
+        const __m128i q_i8x16 = _mm_loadu_si128((const __m128i *)((const int8_t *)r.v + e));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_i8x16)), q8_0_scale_f32x16_(r, e));
+    }
+    return load_f32x16_(r.v, e, f);
+}
 
 INLINE_ __m512 run_masked_f32x16_(lora_run r, int64_t e, __mmask16 mask, const int f) {
+    if (f == LORA_FMT_Q8_0) { /* masked-off lanes load 0, and 0 * d is 0 */
+        const __m128i q_i8x16 = _mm_maskz_loadu_epi8(mask, (const int8_t *)r.v + e);
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_i8x16)), q8_0_scale_f32x16_(r, e));
+    }
     return load_masked_f32x16_(r.v, e, mask, f);
 }
 
@@ -601,9 +621,17 @@ INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
     }
 }
 
-/* values e .. e + n of a factor as float32 (the table's load entry) */
+/* values e .. e + n of a factor as float32 (the table's load entry); a block format
+ * by whole vectors from a multiple of 16, one value at a time before it */
 INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
-    widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+    if (lora_format_block(f) == 1) {
+        widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+        return;
+    }
+    int64_t k = 0;
+    for (; k < n && (e + k) % 16; k++) dst[k] = lora_run_load(r, e + k, f);
+    for (; k + 16 <= n; k += 16) _mm512_storeu_ps(dst + k, run_f32x16_(r, e + k, f));
+    if (k < n) _mm512_mask_storeu_ps(dst + k, tail_mask_(n - k), run_masked_f32x16_(r, e + k, tail_mask_(n - k), f));
 }
 
 #include "kernels_strip.h"
