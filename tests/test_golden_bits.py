@@ -125,8 +125,40 @@ def cases():
             out = values((9, COLS), 57, 8.0).astype(np.float32)
             g.add_rows_to(np.arange(9) * 4, out)
             got[f"view_a_by_row/{st}/r{rank}"] = digest(out)
+    # q8_0 storage (blocks of 32 int8 values and a float16 scale), alone and paired with
+    # another format, in every op; stacks and banks holding q8_0 members
+    for st in ("q8_0", "q8_0/float16", "bfloat16/q8_0"):
+        for rank in RANKS:
+            d = delta(rank, st, 70 + rank, alpha=2.0 * rank)
+            for xt in DTYPES if st == "q8_0" else ("float32",):
+                for ot in DTYPES:
+                    for batch in BATCHES:
+                        x = as_dtype(values((batch, COLS), 71 + batch), xt)
+                        out = as_dtype(values((batch, ROWS), 73 + batch, 8.0), ot)
+                        if batch == 1:
+                            d.add_to(x[0], out[0])
+                        else:
+                            d.add_batch_to(x, out)
+                        got[f"batch/{st}/r{rank}/x{xt}/o{ot}/b{batch}"] = digest(out)
+            ids = (np.arange(37) * 7) % ROWS
+            out = as_dtype(values((37, COLS), 77, 8.0), "float32")
+            d.add_rows_to(ids, out)
+            got[f"rows/{st}/r{rank}"] = digest(out)
+    q_members = [delta(r, st, 80 + r) for r, st in ((5, "q8_0"), (17, "bfloat16"), (33, "q8_0"))]
+    q_stack = lora.LoraStack(q_members)
+    q_bank = lora.LoraBank([q_members[0], q_stack, None, q_members[1]])
+    for ot in DTYPES:
+        for batch in (1, 5, 300):
+            x = as_dtype(values((batch, COLS), 81 + batch), "float32")
+            out = as_dtype(values((batch, ROWS), 83 + batch, 8.0), ot)
+            q_stack.add_batch_to(x, out)
+            got[f"stack_q8_0/o{ot}/b{batch}"] = digest(out)
+            ids = (np.arange(batch) * 5 + 1) % 5 - 1
+            out = as_dtype(values((batch, ROWS), 87 + batch, 8.0), ot)
+            q_bank.add_batch_to(x, out, ids, scales=0.25 + values((batch,), 89))
+            got[f"bank_q8_0/o{ot}/b{batch}"] = digest(out)
     # merges into every weight dtype, both layouts
-    for st in DTYPES:
+    for st in DTYPES + ("q8_0",):
         d = delta(17, st, 60, alpha=8.0)
         for wt in DTYPES:
             w = as_dtype(values((ROWS, COLS), 61, 4.0), wt)
