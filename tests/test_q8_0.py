@@ -467,7 +467,7 @@ def test_peft_file_quantized_on_load(tmp_path):
         np.testing.assert_array_equal(got_b, _dequant_reference(b.T).T)
 
 
-def test_inspect_shows_the_stored_formats(tmp_path):
+def test_inspect_shows_the_stored_formats_subprocess(tmp_path):
     import subprocess
     import sys
 
