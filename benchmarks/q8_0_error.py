@@ -60,7 +60,7 @@ def synthetic_rows(rng, rank):
             b = (rng.standard_normal((r, rank)) * mag).astype(np.float32)
             rows.append((f"random N(0, {mag:g}^2)", label, rank, pair_error(a, b, rng)))
         bound = 1.0 / np.sqrt(c)          # PEFT's Kaiming-uniform A
-        for bmag in (1e-2, 1e-3, 1e-4):
+        for bmag in (1e-2, 1e-3, 1e-4, 3e-5, 1e-5):
             a = rng.uniform(-bound, bound, (rank, c)).astype(np.float32)
             b = (rng.standard_normal((r, rank)) * bmag).astype(np.float32)
             rows.append((f"PEFT-init A, B N(0, {bmag:g}^2)", label, rank, pair_error(a, b, rng)))

@@ -122,6 +122,24 @@ INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) {
     return load_f32x16_(r.v, e, f);
 }
 
+/* The hot loops' Q8_0 load: 16 values from q (a multiple of 16 into its row) times their
+ * block's scale, already float32 in d_f32x16 (q8_0_scales_ widens a tile's scales once, so
+ * each vector pays a broadcast from L1, folded into vmulps, instead of vpbroadcastw +
+ * vcvtph2ps: 3 of the 7 uops of run_f32x16_'s Q8_0 load); the same d * q. */
+INLINE_ __m512 q8_0_f32x16_(const int8_t *q, __m512 d_f32x16) {
+    const __m128i q_i8x16 = _mm_loadu_si128((const __m128i *)q);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_i8x16)), d_f32x16);
+}
+
+/* the float32 scales of n consecutive Q8_0 blocks from block b0 of a factor (dst holds n
+ * rounded up to 16) */
+INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *dst) {
+    for (int64_t s = 0; s < n; s += 16) {
+        const __mmask16 m = n - s >= 16 ? (__mmask16)0xffff : tail_mask_(n - s);
+        _mm512_storeu_ps(dst + s, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r.d + b0 + s)));
+    }
+}
+
 INLINE_ __m512 run_masked_f32x16_(lora_run r, int64_t e, __mmask16 mask, const int f) {
     if (f == LORA_FMT_Q8_0) { /* masked-off lanes load 0, and 0 * d is 0 */
         const __m128i q_i8x16 = _mm_maskz_loadu_epi8(mask, (const int8_t *)r.v + e);
@@ -212,6 +230,25 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
                            const int f, const int xt) {
     __m512 acc_f32x16[16];
     for (int i = 0; i < nr * nb; i++) acc_f32x16[i] = state[i];
+    if (f == LORA_FMT_Q8_0) {
+        /* the tile's rows' scales over the chunk, widened once (j0 is a multiple of 32:
+         * chunks start at multiples of CHUNK_ within column blocks of LORA_JBLOCK) */
+        float d_f32[8][CHUNK_ / 32 + 16] __attribute__((aligned(64)));
+        const int64_t nblk = (j1 - j0 + 31) / 32;
+        for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + j0) / 32, nblk, d_f32[r]);
+        for (int64_t j = j0; j < j1; j += 16) {
+            __m512 x_f32x16[8];
+            for (int b = 0; b < nb; b++) x_f32x16[b] = load_f32x16_(xs[b], j, xt);
+            for (int r = 0; r < nr; r++) {
+                const __m512 a_f32x16 = q8_0_f32x16_((const int8_t *)a.v + (k + r) * lda + j,
+                                                     _mm512_set1_ps(d_f32[r][(j - j0) >> 5]));
+                for (int b = 0; b < nb; b++)
+                    acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r * nb + b]);
+            }
+        }
+        for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
+        return;
+    }
     if (f == LORA_DTYPE_BF16) {
         /* 32 columns per A load: lane l adds column j + 2l, then j + 2l + 1 */
         for (int64_t j = j0; j < j1; j += 32) {
@@ -420,6 +457,27 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
                            int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
                            int64_t obase, float *total, const int f) {
     const int64_t i_start = i;
+    if (f == LORA_FMT_Q8_0 && i + 16 <= i1) {
+        /* the block's rows' scales over [i, i1), widened once: rows are 32-value blocks
+         * from output i & ~31 (i is a multiple of 16) */
+        const int64_t ib = i & ~(int64_t)31, nblk = (i1 - ib + 31) / 32;
+        float d_f32[LORA_KBLOCK][LORA_DECODE_STRIP / 32 + 17] __attribute__((aligned(64)));
+        for (int k = 0; k < kn; k++) q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, nblk, d_f32[k]);
+        for (; i + 16 <= i1; i += 16) {
+            __m512 acc_f32x16 = _mm512_setzero_ps();
+            for (int k = 0; k < kn; k++)
+                acc_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_((const int8_t *)m.v + (k0 + k) * ldm + i,
+                                                          _mm512_set1_ps(d_f32[k][(i - ib) >> 5])),
+                                             u_f32x16[k], acc_f32x16);
+            if (total) {
+                float *t = total + (i - i_start);
+                _mm512_store_ps(t, k0 == 0 ? acc_f32x16 : _mm512_add_ps(_mm512_load_ps(t), acc_f32x16));
+                continue;
+            }
+            float *o = out + (i - obase);
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(acc_f32x16, s_f32x16, _mm512_loadu_ps(o)));
+        }
+    }
     if (f == LORA_DTYPE_BF16) {
         for (; i + 32 <= i1; i += 32) {
             __m512 even_f32x16 = _mm512_setzero_ps(), odd_f32x16 = _mm512_setzero_ps();
@@ -516,7 +574,7 @@ INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t
     /* a decode walks M in order (term_decode_avx512_); past one rank block a half M keeps the
      * tiles, whose even/odd and per-16 widenings the walk's strip of totals slowed by
      * 19 % where M sits in L2 (bfloat16 rank 64) */
-    if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32)) {
+    if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32 || f == LORA_FMT_Q8_0)) {
         term_decode_avx512_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, f);
         return;
     }
