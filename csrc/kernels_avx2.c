@@ -130,6 +130,22 @@ INLINE_ __m256 run_f32x8_(lora_run r, int64_t e, const int f) {
     return load_f32x8_(r.v, e, f);
 }
 
+/* The hot loops' Q8_0 load: 8 values from q (a multiple of 8 into its row) times their
+ * block's scale, already float32 in d_f32x8 (widened once per tile by q8_0_scales_, or once
+ * per row of a decode walk), instead of vpbroadcastw + vcvtph2ps per vector; the same d * q. */
+INLINE_ __m256 q8_0_f32x8_(const int8_t *q, __m256 d_f32x8) {
+    const __m128i q_i8x8 = _mm_loadl_epi64((const __m128i *)q);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_i8x8)), d_f32x8);
+}
+
+/* the float32 scales of n consecutive Q8_0 blocks from block b0 (dst holds n rounded up to 8) */
+INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *dst) {
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8)
+        _mm256_storeu_ps(dst + s, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r.d + b0 + s))));
+    for (; s < n; s++) dst[s] = _cvtsh_ss(r.d[b0 + s]);
+}
+
 INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
     if (lora_format_block(f) == 1) {
         widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
@@ -151,7 +167,18 @@ INLINE_ void project_rows_avx2_(lora_run a, int64_t lda, int64_t cols, int64_t k
         const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
         __m256 acc_f32x8[8];
         for (int r = 0; r < nr; r++) acc_f32x8[r] = _mm256_setzero_ps();
-        for (int64_t j = jb; j < je; j += 8) {
+        if (f == LORA_FMT_Q8_0) { /* the rows' scales over the column block, widened once */
+            float d_f32[8][LORA_JBLOCK / 32 + 8];
+            for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + jb) / 32, (je - jb + 31) / 32, d_f32[r]);
+            for (int64_t j = jb; j < je; j += 8) {
+                const __m256 x_f32x8 = load_f32x8_(x, j, xt);
+                for (int r = 0; r < nr; r++)
+                    acc_f32x8[r] = _mm256_fmadd_ps(
+                        q8_0_f32x8_((const int8_t *)a.v + (k + r) * lda + j, _mm256_broadcast_ss(&d_f32[r][(j - jb) >> 5])),
+                        x_f32x8, acc_f32x8[r]);
+            }
+        }
+        for (int64_t j = jb; j < je && f != LORA_FMT_Q8_0; j += 8) {
             const __m256 x_f32x8 = load_f32x8_(x, j, xt);
             for (int r = 0; r < nr; r++)
                 acc_f32x8[r] =
@@ -327,6 +354,14 @@ INLINE_ void term_vecs_avx2_(lora_run m, int64_t ldm, int64_t kdim, const int kn
         __m256 block_f32x8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int k = 0; k < n; k++) {
             const __m256 u_f32x8 = _mm256_broadcast_ss(u + k0 + k);
+            if (f == LORA_FMT_Q8_0) { /* i is a multiple of 16: the nv vectors share a block */
+                const int64_t e = (k0 + k) * ldm + i;
+                const __m256 d_f32x8 = _mm256_set1_ps(_cvtsh_ss(m.d[e >> 5]));
+                for (int v = 0; v < nv; v++)
+                    block_f32x8[v] = _mm256_fmadd_ps(q8_0_f32x8_((const int8_t *)m.v + e + 8 * v, d_f32x8),
+                                                     u_f32x8, block_f32x8[v]);
+                continue;
+            }
             for (int v = 0; v < nv; v++)
                 block_f32x8[v] = _mm256_fmadd_ps(run_f32x8_(m, (k0 + k) * ldm + i + 8 * v, f), u_f32x8,
                                                  block_f32x8[v]);

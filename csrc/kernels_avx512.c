@@ -457,27 +457,12 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
                            int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
                            int64_t obase, float *total, const int f) {
     const int64_t i_start = i;
-    if (f == LORA_FMT_Q8_0 && i + 16 <= i1) {
-        /* the block's rows' scales over [i, i1), widened once: rows are 32-value blocks
-         * from output i & ~31 (i is a multiple of 16) */
-        const int64_t ib = i & ~(int64_t)31, nblk = (i1 - ib + 31) / 32;
-        float d_f32[LORA_KBLOCK][LORA_DECODE_STRIP / 32 + 17] __attribute__((aligned(64)));
-        for (int k = 0; k < kn; k++) q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, nblk, d_f32[k]);
-        for (; i + 16 <= i1; i += 16) {
-            __m512 acc_f32x16 = _mm512_setzero_ps();
-            for (int k = 0; k < kn; k++)
-                acc_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_((const int8_t *)m.v + (k0 + k) * ldm + i,
-                                                          _mm512_set1_ps(d_f32[k][(i - ib) >> 5])),
-                                             u_f32x16[k], acc_f32x16);
-            if (total) {
-                float *t = total + (i - i_start);
-                _mm512_store_ps(t, k0 == 0 ? acc_f32x16 : _mm512_add_ps(_mm512_load_ps(t), acc_f32x16));
-                continue;
-            }
-            float *o = out + (i - obase);
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(acc_f32x16, s_f32x16, _mm512_loadu_ps(o)));
-        }
-    }
+    /* Q8_0: the block's rows' scales over [i, i1), widened once (rows are 32-value blocks
+     * from output i & ~31; i is a multiple of 16 and i1 - i at most a decode strip) */
+    float d_f32[LORA_KBLOCK][LORA_DECODE_STRIP / 32 + 17] __attribute__((aligned(64)));
+    const int64_t ib = i & ~(int64_t)31;
+    if (f == LORA_FMT_Q8_0)
+        for (int k = 0; k < kn; k++) q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, d_f32[k]);
     if (f == LORA_DTYPE_BF16) {
         for (; i + 32 <= i1; i += 32) {
             __m512 even_f32x16 = _mm512_setzero_ps(), odd_f32x16 = _mm512_setzero_ps();
@@ -503,10 +488,14 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
         const int full = i + 16 <= i1;
         const __mmask16 mask = full ? (__mmask16)0xffff : tail_mask_(i1 - i);
         __m512 acc_f32x16 = _mm512_setzero_ps();
-        for (int k = 0; k < kn; k++)
-            acc_f32x16 = _mm512_fmadd_ps(full ? run_f32x16_(m, (k0 + k) * ldm + i, f)
-                                              : run_masked_f32x16_(m, (k0 + k) * ldm + i, mask, f),
-                                         u_f32x16[k], acc_f32x16);
+        for (int k = 0; k < kn; k++) {
+            const int64_t e = (k0 + k) * ldm + i;
+            const __m512 m_f32x16 =
+                !full ? run_masked_f32x16_(m, e, mask, f)
+                : f == LORA_FMT_Q8_0 ? q8_0_f32x16_((const int8_t *)m.v + e, _mm512_set1_ps(d_f32[k][(i - ib) >> 5]))
+                : run_f32x16_(m, e, f);
+            acc_f32x16 = _mm512_fmadd_ps(m_f32x16, u_f32x16[k], acc_f32x16);
+        }
         if (total) {
             float *t = total + (i - i_start);
             _mm512_store_ps(t, k0 == 0 ? acc_f32x16 : _mm512_add_ps(_mm512_load_ps(t), acc_f32x16));

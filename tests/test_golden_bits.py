@@ -63,22 +63,29 @@ def delta(rank, storage, seed, *, rows=ROWS, cols=COLS, alpha=0.0):
     return lora.LoraDelta(a, b, alpha=alpha, scale=0.75, dtype=storage)
 
 
+def batch_cases(got, d, name, xts, seed):
+    """got[batch/<name>/x<xt>/o<ot>/b<batch>]: decode and batches of every x dtype in xts and
+    out dtype, inputs from seed (x) and seed + 2 (out)."""
+    for xt in xts:
+        for ot in DTYPES:
+            for batch in BATCHES:
+                x = as_dtype(values((batch, COLS), seed + batch), xt)
+                out = as_dtype(values((batch, ROWS), seed + 2 + batch, 8.0), ot)
+                if batch == 1:
+                    d.add_to(x[0], out[0])
+                else:
+                    d.add_batch_to(x, out)
+                got[f"batch/{name}/x{xt}/o{ot}/b{batch}"] = digest(out)
+
+
 def cases():
     """{case name: hex digest} for the ISA path in use."""
     got = {}
     for st in DTYPES:
         for rank in RANKS:
             d = delta(rank, st, rank, alpha=2.0 * rank)
+            batch_cases(got, d, f"{st}/r{rank}", DTYPES, 11)
             for xt in DTYPES:
-                for ot in DTYPES:
-                    for batch in BATCHES:
-                        x = as_dtype(values((batch, COLS), 11 + batch), xt)
-                        out = as_dtype(values((batch, ROWS), 13 + batch, 8.0), ot)
-                        if batch == 1:
-                            d.add_to(x[0], out[0])
-                        else:
-                            d.add_batch_to(x, out)
-                        got[f"batch/{st}/r{rank}/x{xt}/o{ot}/b{batch}"] = digest(out)
                 # the gather (rows of B @ A)
                 ids = (np.arange(37) * 7) % ROWS
                 out = as_dtype(values((37, COLS), 17, 8.0), xt)
@@ -130,16 +137,7 @@ def cases():
     for st in ("q8_0", "q8_0/float16", "bfloat16/q8_0"):
         for rank in RANKS:
             d = delta(rank, st, 70 + rank, alpha=2.0 * rank)
-            for xt in DTYPES if st == "q8_0" else ("float32",):
-                for ot in DTYPES:
-                    for batch in BATCHES:
-                        x = as_dtype(values((batch, COLS), 71 + batch), xt)
-                        out = as_dtype(values((batch, ROWS), 73 + batch, 8.0), ot)
-                        if batch == 1:
-                            d.add_to(x[0], out[0])
-                        else:
-                            d.add_batch_to(x, out)
-                        got[f"batch/{st}/r{rank}/x{xt}/o{ot}/b{batch}"] = digest(out)
+            batch_cases(got, d, f"{st}/r{rank}", DTYPES if st == "q8_0" else ("float32",), 71)
             ids = (np.arange(37) * 7) % ROWS
             out = as_dtype(values((37, COLS), 77, 8.0), "float32")
             d.add_rows_to(ids, out)
