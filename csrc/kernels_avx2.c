@@ -167,22 +167,19 @@ INLINE_ void project_rows_avx2_(lora_run a, int64_t lda, int64_t cols, int64_t k
         const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
         __m256 acc_f32x8[8];
         for (int r = 0; r < nr; r++) acc_f32x8[r] = _mm256_setzero_ps();
-        if (f == LORA_FMT_Q8_0) { /* the rows' scales over the column block, widened once */
-            float d_f32[8][LORA_JBLOCK / 32 + 8];
+        float d_f32[8][LORA_JBLOCK / 32 + 8]; /* Q8_0: the rows' scales over the block, widened once */
+        if (f == LORA_FMT_Q8_0)
             for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + jb) / 32, (je - jb + 31) / 32, d_f32[r]);
-            for (int64_t j = jb; j < je; j += 8) {
-                const __m256 x_f32x8 = load_f32x8_(x, j, xt);
-                for (int r = 0; r < nr; r++)
-                    acc_f32x8[r] = _mm256_fmadd_ps(
-                        q8_0_f32x8_((const int8_t *)a.v + (k + r) * lda + j, _mm256_broadcast_ss(&d_f32[r][(j - jb) >> 5])),
-                        x_f32x8, acc_f32x8[r]);
-            }
-        }
-        for (int64_t j = jb; j < je && f != LORA_FMT_Q8_0; j += 8) {
+        for (int64_t j = jb; j < je; j += 8) {
             const __m256 x_f32x8 = load_f32x8_(x, j, xt);
-            for (int r = 0; r < nr; r++)
-                acc_f32x8[r] =
-                    _mm256_fmadd_ps(run_f32x8_(a, (k + r) * lda + j, f), x_f32x8, acc_f32x8[r]);
+            for (int r = 0; r < nr; r++) {
+                const int64_t e = (k + r) * lda + j;
+                const __m256 a_f32x8 =
+                    f == LORA_FMT_Q8_0
+                        ? q8_0_f32x8_((const int8_t *)a.v + e, _mm256_broadcast_ss(&d_f32[r][(j - jb) >> 5]))
+                        : run_f32x8_(a, e, f);
+                acc_f32x8[r] = _mm256_fmadd_ps(a_f32x8, x_f32x8, acc_f32x8[r]);
+            }
         }
         for (int r = 0; r < nr; r++) {
             const float block = hsum_f32x8_(acc_f32x8[r]);

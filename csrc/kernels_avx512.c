@@ -230,25 +230,6 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
                            const int f, const int xt) {
     __m512 acc_f32x16[16];
     for (int i = 0; i < nr * nb; i++) acc_f32x16[i] = state[i];
-    if (f == LORA_FMT_Q8_0) {
-        /* the tile's rows' scales over the chunk, widened once (j0 is a multiple of 32:
-         * chunks start at multiples of CHUNK_ within column blocks of LORA_JBLOCK) */
-        float d_f32[8][CHUNK_ / 32 + 16] __attribute__((aligned(64)));
-        const int64_t nblk = (j1 - j0 + 31) / 32;
-        for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + j0) / 32, nblk, d_f32[r]);
-        for (int64_t j = j0; j < j1; j += 16) {
-            __m512 x_f32x16[8];
-            for (int b = 0; b < nb; b++) x_f32x16[b] = load_f32x16_(xs[b], j, xt);
-            for (int r = 0; r < nr; r++) {
-                const __m512 a_f32x16 = q8_0_f32x16_((const int8_t *)a.v + (k + r) * lda + j,
-                                                     _mm512_set1_ps(d_f32[r][(j - j0) >> 5]));
-                for (int b = 0; b < nb; b++)
-                    acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r * nb + b]);
-            }
-        }
-        for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
-        return;
-    }
     if (f == LORA_DTYPE_BF16) {
         /* 32 columns per A load: lane l adds column j + 2l, then j + 2l + 1 */
         for (int64_t j = j0; j < j1; j += 32) {
@@ -269,11 +250,20 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
         for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
         return;
     }
+    /* Q8_0: the tile's rows' scales over the chunk, widened once (j0 is a multiple of 32:
+     * chunks start at multiples of CHUNK_ within column blocks of LORA_JBLOCK) */
+    float d_f32[8][CHUNK_ / 32 + 16] __attribute__((aligned(64)));
+    if (f == LORA_FMT_Q8_0)
+        for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + j0) / 32, (j1 - j0 + 31) / 32, d_f32[r]);
     for (int64_t j = j0; j < j1; j += 16) {
         __m512 x_f32x16[8];
         for (int b = 0; b < nb; b++) x_f32x16[b] = load_f32x16_(xs[b], j, xt);
         for (int r = 0; r < nr; r++) {
-            const __m512 a_f32x16 = run_f32x16_(a, (k + r) * lda + j, f);
+            const int64_t e = (k + r) * lda + j;
+            const __m512 a_f32x16 =
+                f == LORA_FMT_Q8_0
+                    ? q8_0_f32x16_((const int8_t *)a.v + e, _mm512_set1_ps(d_f32[r][(j - j0) >> 5]))
+                    : run_f32x16_(a, e, f);
             for (int b = 0; b < nb; b++)
                 acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r * nb + b]);
         }
@@ -563,7 +553,7 @@ INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t
     /* a decode walks M in order (term_decode_avx512_); past one rank block a half M keeps the
      * tiles, whose even/odd and per-16 widenings the walk's strip of totals slowed by
      * 19 % where M sits in L2 (bfloat16 rank 64) */
-    if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32 || f == LORA_FMT_Q8_0)) {
+    if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32)) {
         term_decode_avx512_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, f);
         return;
     }
