@@ -481,3 +481,20 @@ def test_inspect_shows_the_stored_formats_subprocess(tmp_path):
     run = subprocess.run([sys.executable, "-m", "lora", "inspect", "--dtype", "q8_0", str(path)],
                          capture_output=True, text=True, check=True)
     assert "dtype q8_0" in run.stdout
+
+
+def test_requantizing_dequantized_values_is_exact_and_renamed_keeps_the_values():
+    """Q8_0 of its own dequantized values gives the same blocks (the largest |q| of a block is
+    127, so d comes back exactly); renaming a GGUF adapter to Hugging Face names keeps A's blocks,
+    and moves B's rows into float32 when B is q8_0 (its rows would change blocks)."""
+    rng = np.random.default_rng(22)
+    a = rng.standard_normal((8, 96)).astype(np.float32)
+    stored = _formats.Q8_0.store(a, "a")
+    np.testing.assert_array_equal(_formats.Q8_0.store(_formats.Q8_0.load(stored, 96), "a"), stored)
+    d = lora.LoraDelta(rng.standard_normal((8, 64)), rng.standard_normal((64, 8)), dtype="q8_0")
+    ad = lora.LoraAdapter({"blk.0.attn_q.weight": d}, name="t", alpha=0.0, scale=d.scale)
+    hf = ad.renamed("hf", n_head=4, n_head_kv=4)["model.layers.0.self_attn.q_proj"]
+    assert hf.dtypes == ("q8_0", "float32")
+    np.testing.assert_array_equal(hf._stored_bits()[0], d._stored_bits()[0])
+    perm = np.argsort(lora.loaders.adapter.llama_rope_permutation(64, 4))
+    np.testing.assert_array_equal(hf.lora_weights()[1], d.lora_weights()[1][perm])
