@@ -52,7 +52,8 @@ def size_sweep(llc_bytes, mem_available, forced=None, quick=False, rank=SWEEP_RA
     `forced` (--sweep-layers) overrides the result.  Both are reported.
     """
     half, f32 = sweep_layer_bytes(rank, 2), sweep_layer_bytes(rank, 4)
-    wanted = max(LLAMA2_7B_LAYERS, math.ceil(2 * llc_bytes / sweep_layer_bytes(rank, VALUE_BYTES["q8_0"])))
+    q8 = sweep_layer_bytes(rank, VALUE_BYTES["q8_0"])
+    wanted = max(LLAMA2_7B_LAYERS, math.ceil(2 * llc_bytes / q8))
     caps = {"memory": int(mem_available / 2 // (7 * f32)) if mem_available else None,
             "--quick": QUICK_SWEEP_F32_BYTES // f32 if quick else None}
     caps = {k: v for k, v in caps.items() if v is not None and v < wanted}
@@ -61,8 +62,9 @@ def size_sweep(llc_bytes, mem_available, forced=None, quick=False, rank=SWEEP_RA
     if forced:
         layers, cap_by = forced, "--sweep-layers"
     return layers, {"llc_bytes": llc_bytes, "layers_wanted": wanted, "capped_by": cap_by,
-                    "layers": layers, "adapter_bytes": {"float32": layers * f32, "half": layers * half},
-                    "half_over_llc": layers * half / llc_bytes}
+                    "layers": layers, "adapter_bytes": {"float32": layers * f32, "half": layers * half,
+                                                        "q8_0": layers * q8},
+                    "half_over_llc": layers * half / llc_bytes, "q8_0_over_llc": layers * q8 / llc_bytes}
 
 
 def sweep_pairs(ctx, layers, rank):
