@@ -78,6 +78,23 @@ def batch_cases(got, d, name, xts, seed):
                 got[f"batch/{name}/x{xt}/o{ot}/b{batch}"] = digest(out)
 
 
+def stack_bank_cases(got, stack, bank, tag, seed):
+    """got[stack<tag>/o<ot>/b<batch>] and got[bank<tag>/...]: a stack's batches, and a bank's
+    with ids over its entries (-1 included) and per-position scales, every out dtype; inputs
+    from seed (x), seed + 2 (the stack's out), seed + 6 (the bank's out), seed + 8 (scales)."""
+    for ot in DTYPES:
+        for batch in (1, 5, 300):
+            x = as_dtype(values((batch, COLS), seed + batch), "float32")
+            out = as_dtype(values((batch, ROWS), seed + 2 + batch, 8.0), ot)
+            stack.add_batch_to(x, out)
+            got[f"stack{tag}/o{ot}/b{batch}"] = digest(out)
+            ids = (np.arange(batch) * 5 + 1) % 5 - 1
+            scales = 0.25 + values((batch,), seed + 8)
+            out = as_dtype(values((batch, ROWS), seed + 6 + batch, 8.0), ot)
+            bank.add_batch_to(x, out, ids, scales=scales)
+            got[f"bank{tag}/o{ot}/b{batch}"] = digest(out)
+
+
 def cases():
     """{case name: hex digest} for the ISA path in use."""
     got = {}
@@ -95,17 +112,8 @@ def cases():
     members = [delta(r, st, 40 + r) for r, st in ((5, "float32"), (17, "bfloat16"), (9, "float16"))]
     stack = lora.LoraStack(members)
     bank = lora.LoraBank([members[0], stack, None, members[2]])
+    stack_bank_cases(got, stack, bank, "", 21)
     for ot in DTYPES:
-        for batch in (1, 5, 300):
-            x = as_dtype(values((batch, COLS), 21 + batch), "float32")
-            out = as_dtype(values((batch, ROWS), 23 + batch, 8.0), ot)
-            stack.add_batch_to(x, out)
-            got[f"stack/o{ot}/b{batch}"] = digest(out)
-            ids = (np.arange(batch) * 5 + 1) % 5 - 1
-            scales = 0.25 + values((batch,), 29)
-            out = as_dtype(values((batch, ROWS), 27 + batch, 8.0), ot)
-            bank.add_batch_to(x, out, ids, scales=scales)
-            got[f"bank/o{ot}/b{batch}"] = digest(out)
         tok = (np.arange(33) * 3) % ROWS
         out = as_dtype(values((33, COLS), 31, 8.0), ot)
         bank.add_rows_to(tok, out, (np.arange(33) % 5) - 1)
@@ -145,16 +153,7 @@ def cases():
     q_members = [delta(r, st, 80 + r) for r, st in ((5, "q8_0"), (17, "bfloat16"), (33, "q8_0"))]
     q_stack = lora.LoraStack(q_members)
     q_bank = lora.LoraBank([q_members[0], q_stack, None, q_members[1]])
-    for ot in DTYPES:
-        for batch in (1, 5, 300):
-            x = as_dtype(values((batch, COLS), 81 + batch), "float32")
-            out = as_dtype(values((batch, ROWS), 83 + batch, 8.0), ot)
-            q_stack.add_batch_to(x, out)
-            got[f"stack_q8_0/o{ot}/b{batch}"] = digest(out)
-            ids = (np.arange(batch) * 5 + 1) % 5 - 1
-            out = as_dtype(values((batch, ROWS), 87 + batch, 8.0), ot)
-            q_bank.add_batch_to(x, out, ids, scales=0.25 + values((batch,), 89))
-            got[f"bank_q8_0/o{ot}/b{batch}"] = digest(out)
+    stack_bank_cases(got, q_stack, q_bank, "_q8_0", 81)
     # merges into every weight dtype, both layouts
     for st in DTYPES + ("q8_0",):
         d = delta(17, st, 60, alpha=8.0)
