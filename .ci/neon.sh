@@ -19,8 +19,9 @@
 #     sizes, stacks, zero scales, paths agree), test_bank, test_half, test_threads (incl. fork),
 #     test_contract, test_delta's accuracy tests on NEON, test_activations' merges (w
 #     widened and narrowed through the NEON table; see SUBSET for what is left out), and
-#     test_experts (routed experts: every routing form, dtype and thread count); and test_dora
-#     (DoRA's row factor, applied around the NEON kernels, in every op, stack and bank).
+#     test_experts (routed experts: every routing form, dtype and thread count); test_dora
+#     (DoRA's row factor, applied around the NEON kernels, in every op, stack and bank); and
+#     test_q8_0 (q8_0 storage: every op the float32 path's bits on the dequantized values).
 #  What it cannot check: speed (qemu is an emulator; no timing here means anything), and
 #  CPU-specific behaviour of real aarch64 cores (qemu implements the architecture, and the
 #  FPCR defaults, of the Arm specification).
@@ -162,7 +163,7 @@ log "LORA_ISA=scalar lowers to scalar; LORA_ISA=avx2 warns and keeps neon"
 # 20-60 s numpy import under emulation; LORA_ISA is checked above instead.  fork() stays in.
 SUBSET=(tests/test_guarantees.py tests/test_bank.py tests/test_half.py tests/test_threads.py
         tests/test_contract.py tests/test_delta.py tests/test_views.py tests/test_activations.py
-        tests/test_golden_bits.py tests/test_experts.py tests/test_dora.py)
+        tests/test_golden_bits.py tests/test_experts.py tests/test_dora.py tests/test_q8_0.py)
 # test_activations.py: its merges only (they widen and narrow w through the NEON table)
 K='not lora_isa_env and not subprocess and not bad_inputs and not omp_thread_limit and (neon or not test_delta.py) and (merge or not test_activations.py)'
 log "pytest under qemu-aarch64: ${SUBSET[*]} -k '$K'"

@@ -28,7 +28,12 @@ void lora_aligned_free(void *p) {
 #endif
 }
 
-LORA_FORMATS_HANDLED(3, delta_packing_knows_the_element_formats);
+/* The packing and the export know the element formats (values as they are) and Q8_0
+ * (llama.cpp's blocks: a float16 d, then 32 int8 q) */
+LORA_FORMATS_HANDLED(4, delta_packing_knows_the_element_formats_and_q8_0);
+
+/* a block of llama.cpp's Q8_0 (block_q8_0): the scale's bits, then the values */
+#define Q8_0_BLOCK_BYTES 34
 
 static int64_t round_up_(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -54,7 +59,42 @@ static int alloc_factor_(lora_factor *f, int fmt, int64_t n, int64_t len) {
     f->v = lora_aligned_alloc((size_t)(n * f->ld) * isz);
     if (!f->v) return LORA_ERR_NOMEM;
     memset(f->v, 0, (size_t)(n * f->ld) * isz);
+    const int64_t block = lora_format_block(fmt);
+    if (block > 1) { /* a block format's scales, ld / block a row; the padding's are 0 */
+        const size_t nd = (size_t)(n * (f->ld / block));
+        f->d = (uint16_t *)lora_aligned_alloc(nd * sizeof(uint16_t));
+        if (!f->d) return LORA_ERR_NOMEM;
+        memset(f->d, 0, nd * sizeof(uint16_t));
+    }
     return LORA_OK;
+}
+
+/* Q8_0 blocks: row r of src (ceil(len / 32) blocks of 34 bytes) into the factor's row r,
+ * its values in v, its scales in d; a short last block's values past len stay 0 */
+static void pack_q8_0_(lora_factor *f, int64_t n, int64_t len, const void *src) {
+    const int64_t nblk = (len + 31) / 32, dper = f->ld / 32;
+    const unsigned char *sp = (const unsigned char *)src;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t k = 0; k < nblk; k++) {
+            const unsigned char *blk = sp + (size_t)((r * nblk + k) * Q8_0_BLOCK_BYTES);
+            const int64_t m = len - 32 * k < 32 ? len - 32 * k : 32;
+            f->d[r * dper + k] = (uint16_t)(blk[0] | (unsigned)blk[1] << 8);
+            memcpy((int8_t *)f->v + r * f->ld + 32 * k, blk + 2, (size_t)m);
+        }
+}
+
+/* the blocks back: row r of the factor as ceil(len / 32) blocks at dst (the padding's
+ * values, 0, fill a short block) */
+static void export_q8_0_(const lora_factor *f, int64_t n, int64_t len, void *dst) {
+    const int64_t nblk = (len + 31) / 32, dper = f->ld / 32;
+    unsigned char *dp = (unsigned char *)dst;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t k = 0; k < nblk; k++) {
+            unsigned char *blk = dp + (size_t)((r * nblk + k) * Q8_0_BLOCK_BYTES);
+            const uint16_t d = f->d[r * dper + k];
+            blk[0] = (unsigned char)(d & 0xffu), blk[1] = (unsigned char)(d >> 8);
+            memcpy(blk + 2, (const int8_t *)f->v + r * f->ld + 32 * k, 32);
+        }
 }
 
 /* one element format's values: row r of src [n, len] (src_by_col: element (r, c) at
@@ -107,9 +147,12 @@ lora_delta *lora_delta_new(int a_fmt, int b_fmt, int64_t rank, int64_t rows, int
         lora_delta_free(d);
         return NULL;
     }
-    pack_values_(&d->a, rank, cols, a, 0);
-    /* B [rows, rank] -> B^T [rank, ldb]: one unit-stride row per rank index */
-    pack_values_(&d->bt, rank, rows, b, 1);
+    if (a_fmt == LORA_FMT_Q8_0) pack_q8_0_(&d->a, rank, cols, a);
+    else pack_values_(&d->a, rank, cols, a, 0);
+    /* B [rows, rank] -> B^T [rank, ldb]: one unit-stride row per rank index (a block
+     * format comes as B^T's blocks already) */
+    if (b_fmt == LORA_FMT_Q8_0) pack_q8_0_(&d->bt, rank, rows, b);
+    else pack_values_(&d->bt, rank, rows, b, 1);
     return d;
 }
 
@@ -148,7 +191,10 @@ static void export_value_(const lora_factor *f, int64_t r, int64_t c, void *dst)
 
 void lora_delta_export(const lora_delta *d, void *a, void *b) {
     const size_t ia = lora_format_value_size(d->a.fmt), ib = lora_format_value_size(d->bt.fmt);
-    for (int64_t k = 0; k < d->rank; k++) {
+    /* a block format is never a view (lora_delta_view), so never held by row */
+    if (d->a.fmt == LORA_FMT_Q8_0) export_q8_0_(&d->a, d->rank, d->cols, a);
+    if (d->bt.fmt == LORA_FMT_Q8_0) export_q8_0_(&d->bt, d->rank, d->rows, b);
+    for (int64_t k = 0; k < d->rank && d->a.fmt != LORA_FMT_Q8_0; k++) {
         if (!d->a.by_row) { /* a row of A is a run of values */
             memcpy((char *)a + (size_t)(k * d->cols) * ia, (const char *)d->a.v + (size_t)(k * d->a.ld) * ia,
                    (size_t)d->cols * ia);
@@ -157,7 +203,7 @@ void lora_delta_export(const lora_delta *d, void *a, void *b) {
         for (int64_t j = 0; j < d->cols; j++)
             export_value_(&d->a, k, j, (char *)a + (size_t)(k * d->cols + j) * ia);
     }
-    for (int64_t i = 0; i < d->rows; i++)
+    for (int64_t i = 0; i < d->rows && d->bt.fmt != LORA_FMT_Q8_0; i++)
         for (int64_t k = 0; k < d->rank; k++)
             export_value_(&d->bt, k, i, (char *)b + (size_t)(i * d->rank + k) * ib);
 }

@@ -84,7 +84,8 @@ static inline size_t lora_dtype_size(int dtype) {
 #define LORA_FORMATS(X, A)                                                                      \
     X(A, LORA_FMT_F32, f32, 1, 4, float)                                                       \
     X(A, LORA_FMT_F16, f16, 1, 2, uint16_t)                                                    \
-    X(A, LORA_FMT_BF16, bf16, 1, 2, uint16_t)
+    X(A, LORA_FMT_BF16, bf16, 1, 2, uint16_t)                                                  \
+    X(A, LORA_FMT_Q8_0, q8_0, 32, 34, int8_t)
 
 #define LORA_FORMATS_HANDLED(n, where) LORA_STATIC_ASSERT((n) == LORA_FMT_COUNT, where)
 
@@ -252,11 +253,14 @@ static inline void lora_store_f32(void *p, int64_t i, float v, int dtype) {
 /* value e of a factor run in format fmt, as float32 (exact): the portable
  * reader for code off the hot vector loops (statistics, the gather's rows of
  * B, exports); one case per registry format, the code checked first */
-LORA_FORMATS_HANDLED(3, lora_run_load_knows_f32_f16_bf16);
+LORA_FORMATS_HANDLED(4, lora_run_load_knows_f32_f16_bf16_q8_0);
 static inline float lora_run_load(lora_run r, int64_t e, int fmt) {
     switch (fmt) {
     case LORA_FMT_F32: case LORA_FMT_F16: case LORA_FMT_BF16:
         return lora_load_f32(r.v, e, fmt); /* an element format: its dtype's value */
+    case LORA_FMT_Q8_0:
+        /* d * q: an 8-bit integer times a float16 is exact in float32 */
+        return (float)((const int8_t *)r.v)[e] * lora_f16_to_f32(r.d[e / 32]);
     }
     LORA_UNREACHABLE();
     return 0.0f;

@@ -4,7 +4,8 @@
  * Required features: AVX2, FMA, F16C (isa.c checks all three).
  * Instructions: vfmadd231ps on 8-lane ymm registers; float16 storage is
  * widened with vcvtph2ps (F16C), bfloat16 with vpmovzxwd + vpslld 16 (a
- * bfloat16 is the top half of a float32, so the shift is exact).
+ * bfloat16 is the top half of a float32, so the shift is exact), Q8_0 with
+ * vpmovsxbd + vcvtdq2ps and one vmulps by its block's scale (exact).
  *
  * Summation order (one per output element, shared by decode, batch, stack
  * and bank):
@@ -69,9 +70,13 @@ INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
     return lora_bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
-/* value e of a factor run in storage format f (an element format: its dtype's value) */
-LORA_FORMATS_HANDLED(3, avx2_run_loads_know_f32_f16_bf16);
-INLINE_ float run_f32_(lora_run r, int64_t e, const int f) { return load_f32_(r.v, e, f); }
+/* value e of a factor run in storage format f (an element format: its dtype's value; Q8_0:
+ * d * q, an 8-bit integer times a float16, exact in float32, so summed in float32's order) */
+LORA_FORMATS_HANDLED(4, avx2_run_loads_know_f32_f16_bf16_q8_0);
+INLINE_ float run_f32_(lora_run r, int64_t e, const int f) {
+    if (f == LORA_FMT_Q8_0) return (float)((const int8_t *)r.v)[e] * _cvtsh_ss(r.d[e >> 5]);
+    return load_f32_(r.v, e, f);
+}
 
 INLINE_ float hsum_f32x8_(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -111,11 +116,45 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 
 /* A run of a factor's values as float32 (exact): 8 of them, and the table's
  * loader (load_f32_, run_f32_ for one).  The one place this file reads a
- * storage format; an element format is its dtype's values. */
-INLINE_ __m256 run_f32x8_(lora_run r, int64_t e, const int f) { return load_f32x8_(r.v, e, f); }
+ * storage format; an element format is its dtype's values; Q8_0 loads 8
+ * int8 values (vpmovsxbd, vcvtdq2ps) and multiplies them by the block's
+ * scale (vcvtph2ps of a broadcast float16).  Vector runs start at multiples
+ * of 8 (rows are multiples of 32 long, tiles and thread splits step by 8),
+ * so 8 values never straddle two blocks: one scale a vector. */
+INLINE_ __m256 run_f32x8_(lora_run r, int64_t e, const int f) {
+    if (f == LORA_FMT_Q8_0) {
+        const __m128i q_i8x8 = _mm_loadl_epi64((const __m128i *)((const int8_t *)r.v + e));
+        const __m256 d_f32x8 = _mm256_cvtph_ps(_mm_set1_epi16((short)r.d[e >> 5]));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_i8x8)), d_f32x8);
+    }
+    return load_f32x8_(r.v, e, f);
+}
+
+/* The hot loops' Q8_0 load: 8 values from q (a multiple of 8 into its row) times their
+ * block's scale, already float32 in d_f32x8 (widened once per tile by q8_0_scales_, or once
+ * per row of a decode walk), instead of vpbroadcastw + vcvtph2ps per vector; the same d * q. */
+INLINE_ __m256 q8_0_f32x8_(const int8_t *q, __m256 d_f32x8) {
+    const __m128i q_i8x8 = _mm_loadl_epi64((const __m128i *)q);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_i8x8)), d_f32x8);
+}
+
+/* the float32 scales of n consecutive Q8_0 blocks from block b0 (dst holds n rounded up to 8) */
+INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *dst) {
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8)
+        _mm256_storeu_ps(dst + s, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r.d + b0 + s))));
+    for (; s < n; s++) dst[s] = _cvtsh_ss(r.d[b0 + s]);
+}
 
 INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
-    widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+    if (lora_format_block(f) == 1) {
+        widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+        return;
+    }
+    int64_t k = 0;
+    for (; k < n && (e + k) % 8; k++) dst[k] = run_f32_(r, e + k, f);
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(dst + k, run_f32x8_(r, e + k, f));
+    for (; k < n; k++) dst[k] = run_f32_(r, e + k, f);
 }
 
 /* A decode (one position): nr ranks (k .. k+nr) over whole rows, nr <= 8 independent chains
@@ -128,11 +167,19 @@ INLINE_ void project_rows_avx2_(lora_run a, int64_t lda, int64_t cols, int64_t k
         const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
         __m256 acc_f32x8[8];
         for (int r = 0; r < nr; r++) acc_f32x8[r] = _mm256_setzero_ps();
+        float d_f32[8][LORA_JBLOCK / 32 + 8]; /* Q8_0: the rows' scales over the block, widened once */
+        if (f == LORA_FMT_Q8_0)
+            for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + jb) / 32, (je - jb + 31) / 32, d_f32[r]);
         for (int64_t j = jb; j < je; j += 8) {
             const __m256 x_f32x8 = load_f32x8_(x, j, xt);
-            for (int r = 0; r < nr; r++)
-                acc_f32x8[r] =
-                    _mm256_fmadd_ps(run_f32x8_(a, (k + r) * lda + j, f), x_f32x8, acc_f32x8[r]);
+            for (int r = 0; r < nr; r++) {
+                const int64_t e = (k + r) * lda + j;
+                const __m256 a_f32x8 =
+                    f == LORA_FMT_Q8_0
+                        ? q8_0_f32x8_((const int8_t *)a.v + e, _mm256_broadcast_ss(&d_f32[r][(j - jb) >> 5]))
+                        : run_f32x8_(a, e, f);
+                acc_f32x8[r] = _mm256_fmadd_ps(a_f32x8, x_f32x8, acc_f32x8[r]);
+            }
         }
         for (int r = 0; r < nr; r++) {
             const float block = hsum_f32x8_(acc_f32x8[r]);
@@ -304,6 +351,14 @@ INLINE_ void term_vecs_avx2_(lora_run m, int64_t ldm, int64_t kdim, const int kn
         __m256 block_f32x8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int k = 0; k < n; k++) {
             const __m256 u_f32x8 = _mm256_broadcast_ss(u + k0 + k);
+            if (f == LORA_FMT_Q8_0) { /* i is a multiple of 16: the nv vectors share a block */
+                const int64_t e = (k0 + k) * ldm + i;
+                const __m256 d_f32x8 = _mm256_set1_ps(_cvtsh_ss(m.d[e >> 5]));
+                for (int v = 0; v < nv; v++)
+                    block_f32x8[v] = _mm256_fmadd_ps(q8_0_f32x8_((const int8_t *)m.v + e + 8 * v, d_f32x8),
+                                                     u_f32x8, block_f32x8[v]);
+                continue;
+            }
             for (int v = 0; v < nv; v++)
                 block_f32x8[v] = _mm256_fmadd_ps(run_f32x8_(m, (k0 + k) * ldm + i + 8 * v, f), u_f32x8,
                                                  block_f32x8[v]);

@@ -4,7 +4,8 @@
  * Required features: AVX512F, AVX512BW + AVX512VL (16-bit masked loads for
  * the half-precision tails), FMA, F16C (isa.c checks all of them).
  * Instructions: vfmadd231ps on 16-lane zmm registers; float16 storage is
- * widened with vcvtph2ps; bfloat16 storage 32 values per 64-byte load, split
+ * widened with vcvtph2ps; Q8_0 storage 16 int8 values a load (vpmovsxbd,
+ * vcvtdq2ps, vmulps by the block's float16 scale: exact); bfloat16 storage 32 values per 64-byte load, split
  * into its even- and odd-indexed values by two vpshufb (exact, port 5, off
  * the FMA port; see bf16_even_f32x16_), or with vpmovzxwd + vpslld 16 for
  * 16-value tiles, tails and by-row terms.  Packed rows start on 64-byte lines
@@ -21,8 +22,8 @@
  *               (s4_1 + s4_3) (the tree GCC's _mm512_reduce_add_ps uses;
  *               written out so that no compiler picks another).  Lane l is an fma-chain from 0 over the block's
  *               columns j ascending,
- *                 float32/float16 A: j = l (mod 16), the last partial 16
- *                   columns loaded with a mask (masked-off lanes add 0*0);
+ *                 float32/float16/Q8_0 A: j = l (mod 16), the last partial
+ *                   16 columns loaded with a mask (masked-off lanes add 0*0);
  *                 bfloat16 A: the j with floor(j / 2) = l (mod 16), i.e.
  *                   32c + 2l then 32c + 2l + 1 for c = 0, 1, ...; the last
  *                   partial 32 columns loaded with a mask (masked-off lanes
@@ -102,11 +103,48 @@ INLINE_ float hsum_f32x16_(__m512 v) {
 /* A run of a factor's values as float32 (exact): 16 of them, the same under
  * a mask, and the raw 32 values of a 64-byte load (bfloat16's pair order,
  * bf16_even/odd_f32x16_).  The one place this file reads a storage format; an
- * element format is its dtype's values. */
-LORA_FORMATS_HANDLED(3, avx512_run_loads_know_f32_f16_bf16);
-INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) { return load_f32x16_(r.v, e, f); }
+ * element format is its dtype's values; a Q8_0 value is d * q (vpmovsxbd,
+ * vcvtdq2ps, then one vmulps by the block's scale, vcvtph2ps of a broadcast
+ * float16: the product of an 8-bit integer and a float16 is exact in
+ * float32), so a Q8_0 factor is summed in float32's order.  Runs start at
+ * multiples of 16 (rows are multiples of 32 long, tiles and thread splits
+ * step by 16), so 16 values never straddle two blocks: one scale a vector. */
+LORA_FORMATS_HANDLED(4, avx512_run_loads_know_f32_f16_bf16_q8_0);
+INLINE_ __m512 q8_0_scale_f32x16_(lora_run r, int64_t e) {
+    return _mm512_cvtph_ps(_mm256_set1_epi16((short)r.d[e >> 5]));
+}
+
+INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) {
+    if (f == LORA_FMT_Q8_0) {
+        const __m128i q_i8x16 = _mm_loadu_si128((const __m128i *)((const int8_t *)r.v + e));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_i8x16)), q8_0_scale_f32x16_(r, e));
+    }
+    return load_f32x16_(r.v, e, f);
+}
+
+/* The hot loops' Q8_0 load: 16 values from q (a multiple of 16 into its row) times their
+ * block's scale, already float32 in d_f32x16 (q8_0_scales_ widens a tile's scales once, so
+ * each vector pays a broadcast from L1, folded into vmulps, instead of vpbroadcastw +
+ * vcvtph2ps: 3 of the 7 uops of run_f32x16_'s Q8_0 load); the same d * q. */
+INLINE_ __m512 q8_0_f32x16_(const int8_t *q, __m512 d_f32x16) {
+    const __m128i q_i8x16 = _mm_loadu_si128((const __m128i *)q);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_i8x16)), d_f32x16);
+}
+
+/* the float32 scales of n consecutive Q8_0 blocks from block b0 of a factor (dst holds n
+ * rounded up to 16) */
+INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *dst) {
+    for (int64_t s = 0; s < n; s += 16) {
+        const __mmask16 m = n - s >= 16 ? (__mmask16)0xffff : tail_mask_(n - s);
+        _mm512_storeu_ps(dst + s, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r.d + b0 + s)));
+    }
+}
 
 INLINE_ __m512 run_masked_f32x16_(lora_run r, int64_t e, __mmask16 mask, const int f) {
+    if (f == LORA_FMT_Q8_0) { /* masked-off lanes load 0, and 0 * d is 0 */
+        const __m128i q_i8x16 = _mm_maskz_loadu_epi8(mask, (const int8_t *)r.v + e);
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_i8x16)), q8_0_scale_f32x16_(r, e));
+    }
     return load_masked_f32x16_(r.v, e, mask, f);
 }
 
@@ -212,11 +250,20 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
         for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
         return;
     }
+    /* Q8_0: the tile's rows' scales over the chunk, widened once (j0 is a multiple of 32:
+     * chunks start at multiples of CHUNK_ within column blocks of LORA_JBLOCK) */
+    float d_f32[8][CHUNK_ / 32 + 16] __attribute__((aligned(64)));
+    if (f == LORA_FMT_Q8_0)
+        for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + j0) / 32, (j1 - j0 + 31) / 32, d_f32[r]);
     for (int64_t j = j0; j < j1; j += 16) {
         __m512 x_f32x16[8];
         for (int b = 0; b < nb; b++) x_f32x16[b] = load_f32x16_(xs[b], j, xt);
         for (int r = 0; r < nr; r++) {
-            const __m512 a_f32x16 = run_f32x16_(a, (k + r) * lda + j, f);
+            const int64_t e = (k + r) * lda + j;
+            const __m512 a_f32x16 =
+                f == LORA_FMT_Q8_0
+                    ? q8_0_f32x16_((const int8_t *)a.v + e, _mm512_set1_ps(d_f32[r][(j - j0) >> 5]))
+                    : run_f32x16_(a, e, f);
             for (int b = 0; b < nb; b++)
                 acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r * nb + b]);
         }
@@ -400,6 +447,12 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
                            int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
                            int64_t obase, float *total, const int f) {
     const int64_t i_start = i;
+    /* Q8_0: the block's rows' scales over [i, i1), widened once (rows are 32-value blocks
+     * from output i & ~31; i is a multiple of 16 and i1 - i at most a decode strip) */
+    float d_f32[LORA_KBLOCK][LORA_DECODE_STRIP / 32 + 17] __attribute__((aligned(64)));
+    const int64_t ib = i & ~(int64_t)31;
+    if (f == LORA_FMT_Q8_0)
+        for (int k = 0; k < kn; k++) q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, d_f32[k]);
     if (f == LORA_DTYPE_BF16) {
         for (; i + 32 <= i1; i += 32) {
             __m512 even_f32x16 = _mm512_setzero_ps(), odd_f32x16 = _mm512_setzero_ps();
@@ -425,10 +478,14 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
         const int full = i + 16 <= i1;
         const __mmask16 mask = full ? (__mmask16)0xffff : tail_mask_(i1 - i);
         __m512 acc_f32x16 = _mm512_setzero_ps();
-        for (int k = 0; k < kn; k++)
-            acc_f32x16 = _mm512_fmadd_ps(full ? run_f32x16_(m, (k0 + k) * ldm + i, f)
-                                              : run_masked_f32x16_(m, (k0 + k) * ldm + i, mask, f),
-                                         u_f32x16[k], acc_f32x16);
+        for (int k = 0; k < kn; k++) {
+            const int64_t e = (k0 + k) * ldm + i;
+            const __m512 m_f32x16 =
+                !full ? run_masked_f32x16_(m, e, mask, f)
+                : f == LORA_FMT_Q8_0 ? q8_0_f32x16_((const int8_t *)m.v + e, _mm512_set1_ps(d_f32[k][(i - ib) >> 5]))
+                : run_f32x16_(m, e, f);
+            acc_f32x16 = _mm512_fmadd_ps(m_f32x16, u_f32x16[k], acc_f32x16);
+        }
         if (total) {
             float *t = total + (i - i_start);
             _mm512_store_ps(t, k0 == 0 ? acc_f32x16 : _mm512_add_ps(_mm512_load_ps(t), acc_f32x16));
@@ -601,9 +658,17 @@ INLINE_ void narrow_(const float *src, int64_t n, void *dst, const int ot) {
     }
 }
 
-/* values e .. e + n of a factor as float32 (the table's load entry) */
+/* values e .. e + n of a factor as float32 (the table's load entry); a block format
+ * by whole vectors from a multiple of 16, one value at a time before it */
 INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
-    widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+    if (lora_format_block(f) == 1) {
+        widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+        return;
+    }
+    int64_t k = 0;
+    for (; k < n && (e + k) % 16; k++) dst[k] = lora_run_load(r, e + k, f);
+    for (; k + 16 <= n; k += 16) _mm512_storeu_ps(dst + k, run_f32x16_(r, e + k, f));
+    if (k < n) _mm512_mask_storeu_ps(dst + k, tail_mask_(n - k), run_masked_f32x16_(r, e + k, tail_mask_(n - k), f));
 }
 
 #include "kernels_strip.h"

@@ -7,6 +7,7 @@
  * (isa.c makes this the best path whenever the file is compiled in).
  * Instructions: fmla (vfmaq_f32) on 4-lane float32x4 registers; float16
  * storage and activations are widened with fcvtl (vcvt_f32_f16, exact),
+ * Q8_0 storage with sxtl + scvtf and one fmul by its block's scale (exact),
  * bfloat16 with ushll #16 (vshll_n_u16: a bfloat16 is the top half of a
  * float32, so the shift is exact); a float16 out is narrowed with fcvtn
  * (vcvt_f16_f32: round to nearest even under the default FPCR, subnormals
@@ -77,10 +78,29 @@ INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
 
 /* A run of a factor's values as float32 (exact): 4 of them, and one (the
  * table's loader, load_run_, follows the tails).  The one place this file
- * reads a storage format; an element format is its dtype's values. */
-LORA_FORMATS_HANDLED(3, neon_run_loads_know_f32_f16_bf16);
-INLINE_ float32x4_t run_f32x4_(lora_run r, int64_t e, const int f) { return load_f32x4_(r.v, e, f); }
-INLINE_ float run_f32_(lora_run r, int64_t e, const int f) { return load_f32_(r.v, e, f); }
+ * reads a storage format; an element format is its dtype's values; a Q8_0
+ * value is d * q (sxtl twice, scvtf, one fmul by the block's float16 scale
+ * widened with fcvt: an 8-bit integer times a float16 is exact in float32),
+ * so a Q8_0 factor is summed in float32's order.  Vector runs start at
+ * multiples of 4 (rows are multiples of 32 long, tiles and thread splits step
+ * by 4), so 4 values never straddle two blocks: one scale a vector. */
+LORA_FORMATS_HANDLED(4, neon_run_loads_know_f32_f16_bf16_q8_0);
+INLINE_ float q8_0_scale_(lora_run r, int64_t e) { return (float)((const __fp16 *)r.d)[e >> 5]; }
+
+INLINE_ float32x4_t run_f32x4_(lora_run r, int64_t e, const int f) {
+    if (f == LORA_FMT_Q8_0) {
+        int32_t raw;
+        memcpy(&raw, (const int8_t *)r.v + e, sizeof raw); /* 4 int8 values, any alignment */
+        const int16x8_t q_s16x8 = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(raw)));
+        const float32x4_t q_f32x4 = vcvtq_f32_s32(vmovl_s16(vget_low_s16(q_s16x8)));
+        return vmulq_n_f32(q_f32x4, q8_0_scale_(r, e));
+    }
+    return load_f32x4_(r.v, e, f);
+}
+INLINE_ float run_f32_(lora_run r, int64_t e, const int f) {
+    if (f == LORA_FMT_Q8_0) return (float)((const int8_t *)r.v)[e] * q8_0_scale_(r, e);
+    return load_f32_(r.v, e, f);
+}
 
 /* (v0+v1) + (v2+v3), written out with faddp so the tree does not depend on
  * how a compiler lowers vaddvq_f32 */
@@ -123,7 +143,14 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 #include "kernels_tails.h"
 
 INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
-    widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+    if (lora_format_block(f) == 1) {
+        widen_((const char *)r.v + e * (int64_t)lora_format_value_size(f), n, dst, f);
+        return;
+    }
+    int64_t k = 0;
+    for (; k < n && (e + k) % 4; k++) dst[k] = run_f32_(r, e + k, f);
+    for (; k + 4 <= n; k += 4) vst1q_f32(dst + k, run_f32x4_(r, e + k, f));
+    for (; k < n; k++) dst[k] = run_f32_(r, e + k, f);
 }
 
 /* nr ranks (k .. k+nr) x nb positions; nr in {1, PROJECT_RANKS_}, nb in {1, 2} */

@@ -32,8 +32,9 @@
 #include "kernels.h"
 
 /* The one place this file reads a factor's format: value e of a run as
- * float32 (exact), the portable reader of kernels.h. */
-LORA_FORMATS_HANDLED(3, scalar_loads_know_f32_f16_bf16);
+ * float32 (exact), the portable reader of formats.h (a Q8_0 value is d * q,
+ * one exact product, then summed as a float32 value is). */
+LORA_FORMATS_HANDLED(4, scalar_loads_know_f32_f16_bf16_q8_0);
 static inline float run_f32_(lora_run r, int64_t e, const int f) { return lora_run_load(r, e, f); }
 
 /* values e .. e + n of a factor as float32 (the table's load entry) */

@@ -48,12 +48,15 @@ typedef struct lora_delta lora_delta;
 #define LORA_DTYPE_COUNT 3
 
 /* storage formats: how a delta's factors are stored (LORA_FORMATS in
- * kernels.h: values per block, bytes per block).  An element format stores
- * its dtype's values and shares its code. */
+ * formats.h: values per block, bytes per block).  An element format stores
+ * its dtype's values and shares its code.  LORA_FMT_Q8_0 is llama.cpp's Q8_0:
+ * blocks of 32 int8 values q with one float16 scale d (value d * q, exact in
+ * float32). */
 #define LORA_FMT_F32 0
 #define LORA_FMT_F16 1
 #define LORA_FMT_BF16 2
-#define LORA_FMT_COUNT 3
+#define LORA_FMT_Q8_0 3
+#define LORA_FMT_COUNT 4
 
 /* ISA paths, lowest first */
 #define LORA_ISA_SCALAR 0
@@ -111,9 +114,14 @@ void lora_team_stats(int64_t *calls, int64_t *lost);
 void lora_team_reset(void);              /* forget the back-off and the counts (tests) */
 
 /* --- deltas --------------------------------------------------------------- */
-/* A delta of its own storage: A in format a_fmt, B in format b_fmt, each
- * given as values in the format's bits (float, or uint16 for float16 and
- * bfloat16), row-major: a = A [rank, cols], b = B [rows, rank].  Copied into
+/* A delta of its own storage: A in format a_fmt, B in format b_fmt.  An
+ * element format is given as values in the format's bits (float, or uint16
+ * for float16 and bfloat16), row-major: a = A [rank, cols], b = B [rows,
+ * rank].  A block format (Q8_0) is given as llama.cpp's blocks (block_q8_0:
+ * a little-endian float16 d, then 32 int8 q; 34 bytes) along A's rows and
+ * along B's columns: a = rank rows of ceil(cols / 32) blocks, b = B^T, rank
+ * rows of ceil(rows / 32) blocks; a row whose length is not a multiple of 32
+ * ends in a short block (its q past the row are not read).  Copied into
  * aligned, packed storage.  NULL when out of memory, a format is unknown or a
  * dimension is < 1. */
 lora_delta *lora_delta_new(int a_fmt, int b_fmt, int64_t rank, int64_t rows, int64_t cols,
@@ -128,7 +136,8 @@ lora_delta *lora_delta_view(int fmt, int64_t rank, int64_t rows, int64_t cols, c
                             int64_t lda, int a_by_row, const void *b, int64_t ldb, int b_by_row);
 /* frees the delta (a view: only its handle, never the caller's memory) */
 void lora_delta_free(lora_delta *d);
-/* copies the stored values back out, in the layout lora_delta_new took */
+/* copies the stored values back out, in the layout lora_delta_new took (a
+ * block format: its blocks, a short block's q past the row written as 0) */
 void lora_delta_export(const lora_delta *d, void *a, void *b);
 /* a delta's rank, rows and cols (each pointer may be NULL) */
 void lora_delta_dims(const lora_delta *d, int64_t *rank, int64_t *rows, int64_t *cols);

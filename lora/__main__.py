@@ -10,7 +10,7 @@ import os
 import sys
 import warnings
 
-from . import _dtypes as dtypes
+from . import _formats as formats
 
 
 class _UsageError(Exception):
@@ -30,7 +30,7 @@ def _parser():
     ins.add_argument("path", help="PEFT adapter directory / adapter_model.safetensors, or .gguf")
     ins.add_argument("--scale", type=float, default=1.0,
                      help="user scale (llama.cpp --lora-scaled), default 1")
-    ins.add_argument("--dtype", choices=dtypes.NAMES, default=None,
+    ins.add_argument("--dtype", choices=formats.NAMES, default=None,
                      help="storage dtype (default: the file's)")
     ins.add_argument("--base", metavar="MODEL_DIR_OR_SAFETENSORS", default=None,
                      help="the base model's weights (a Hugging Face model directory, or one "

@@ -5,16 +5,20 @@ is how one factor (A or B) of a delta sits in memory: values per block, bytes pe
 format's scale included), the C code (``LORA_FMT_*``, the C side's ``LORA_FORMATS`` in
 csrc/formats.h) and how values are stored (`Format.store`) and read back (`Format.load`).
 An element format stores its dtype's values under its dtype's code; a block format adds its
-entry here and in the C registry.  A delta's ``dtype`` is its factors' format name.
+entry here and in the C registry.  A block format's blocks lie along A's rows and along B's
+columns (B^T's rows): `Format.store_b` / `Format.load_b` give B in the layout the C side takes.
+A delta's ``dtype`` is its factors' format name (``"q8_0/float16"`` when they differ).
 
 Every Python map of formats derives from `ALL`.
 """
 
+import numpy as np
 
 from . import _dtypes as dtypes
 from ._lora_cffi import lib
 
-__all__ = ["Format", "ALL", "BY_NAME", "NAMES", "QUOTED", "format_name"]
+__all__ = ["Format", "Stored", "Q8_0", "ALL", "BY_NAME", "NAMES", "QUOTED", "format_name", "pair_names",
+           "pair_name"]
 
 
 class Format:
@@ -37,23 +41,121 @@ class Format:
         return full * self.block_bytes + (rest + (self.block_bytes - self.block) if rest else 0)
 
     def store(self, arr, what):
-        """``arr`` (a real float array) in this format's stored bits, C-contiguous (an element
-        format: rounded to nearest even; ValueError for non-finite values and overflow)."""
+        """``arr`` (a real float array, ``[..., n]``) in this format's stored bits, C-contiguous
+        (an element format: rounded to nearest even; ValueError for non-finite values and
+        overflow).  A block format blocks each row (the last axis)."""
         return dtypes.to_storage(arr, self.name, what)
 
+    def store_b(self, b, what):
+        """lora_b ``[..., rows, rank]`` in the layout the C side takes: an element format as
+        it is, a block format as B^T's rows (blocks along B's columns)."""
+        return self.store(b if self.block == 1 else np.swapaxes(b, -1, -2), what)
+
     def bits(self):
-        """The NumPy dtype of the stored bits (unsigned integers of the value size)."""
+        """The NumPy dtype of the stored bits (unsigned integers of the value size; bytes for
+        a block format)."""
         return self.dtype.bits
 
-    def load(self, stored):
-        """Stored bits back as the format's values (a NumPy array of its dtype)."""
+    def stored_shape(self, shape):
+        """The shape of the stored bits of values of ``shape`` (blocked along the last axis)."""
+        return tuple(shape)
+
+    def load(self, stored, n=None):
+        """Stored bits back as the format's values (a NumPy array of its dtype; a block format:
+        float32, rows of ``n`` values)."""
         return stored.view(self.dtype.numpy)
+
+    def load_b(self, stored, rows):
+        """lora_b's stored bits (`store_b`'s layout) back as ``[..., rows, rank]`` values."""
+        if self.block == 1:
+            return self.load(stored)
+        return np.swapaxes(self.load(stored, rows), -1, -2)
 
     def __repr__(self):
         return f"<format {self.name} (code {self.code}, block {self.block})>"
 
 
-ALL = tuple(Format(d.name, d.code, 1, d.itemsize, d) for d in dtypes.ALL)
+class Stored:
+    """A factor already in a format's stored bits, kept as they are (a GGUF file's Q8_0
+    ``lora_a``, whose blocks lie along A's rows): ``format`` (a `Format`), ``bits`` (the
+    C-contiguous bits in the layout the C side takes) and ``shape`` (the values' shape)."""
+
+    __slots__ = ("format", "bits", "shape")
+
+    def __init__(self, fmt, bits, shape):
+        self.format, self.bits, self.shape = fmt, np.ascontiguousarray(bits), tuple(shape)
+
+    ndim = property(lambda self: len(self.shape))
+
+
+# the largest magnitude a Q8_0 block may hold: its scale max|x| / 127 must be finite in float16
+Q8_0_LARGEST = 65504.0 * 127
+
+
+class _Q8_0(Format):
+    """llama.cpp's Q8_0: blocks of 32 int8 values ``q`` with one float16 scale ``d`` (value
+    ``d * q``), stored as llama.cpp's ``block_q8_0`` (``d`` little-endian, then the 32 ``q``:
+    34 bytes), quantized by its reference rule (``quantize_row_q8_0_ref``) on float32 values:
+    ``d = max|x| / 127``, ``q = roundf(x * (1 / d))`` (ties away from zero; ``1 / d`` is 0 for
+    an all-zero block), ``d`` rounded to float16 (nearest even).  A row whose length is not a
+    multiple of 32 ends in a shorter block (the same rule over its values; its unused ``q``
+    are 0)."""
+
+    __slots__ = ()
+
+    def bits(self):
+        return np.dtype(np.uint8)
+
+    def stored_shape(self, shape):
+        *lead, n = shape
+        return (*lead, -(-n // 32) * 34)
+
+    def store(self, arr, what):
+        x = np.asarray(arr)
+        wide = x.astype(np.float64 if x.dtype.itemsize > 4 else np.float32)
+        if not np.isfinite(wide).all():
+            bad = tuple(int(i) for i in np.argwhere(~np.isfinite(wide))[0])
+            raise ValueError(f"{what} has a non-finite value ({wide[bad]}) at index {bad}")
+        *lead, n = x.shape
+        nblk = -(-n // 32)
+        pad = np.zeros((*lead, nblk * 32), np.float64)
+        pad[..., :n] = wide
+        blocks = pad.reshape(*lead, nblk, 32)
+        amax = np.abs(blocks).max(axis=-1)
+        if amax.size and amax.max() > Q8_0_LARGEST:
+            at = np.unravel_index(int(np.argmax(amax)), amax.shape)
+            row, blk = tuple(int(i) for i in at[:-1]), int(at[-1])
+            raise ValueError(f"{what}: the Q8_0 block {blk} of row {row} (values {32 * blk} .. "
+                             f"{min(n, 32 * blk + 32) - 1}) holds {amax[at]:.9g}, past the "
+                             f"largest a block's float16 scale can carry (65504 x 127 = "
+                             f"{Q8_0_LARGEST:g})")
+        # llama.cpp's arithmetic, in float32: the values, d, 1 / d and x * (1 / d)
+        x32 = blocks.astype(np.float32)
+        d = (amax.astype(np.float32) / np.float32(127)).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+        prod = (x32 * inv[..., None]).astype(np.float64)       # exact in float64
+        # roundf: to nearest, ties away from zero (NumPy's rint rounds ties to even)
+        trunc = np.trunc(prod)
+        q = np.where(np.abs(prod - trunc) >= 0.5, trunc + np.sign(prod), trunc).astype(np.int8)
+        out = np.empty((*lead, nblk, 34), np.uint8)
+        out[..., :2] = d.astype("<f2")[..., None].view(np.uint8)
+        out[..., 2:] = q.view(np.uint8)
+        return np.ascontiguousarray(out.reshape(*lead, nblk * 34))
+
+    def load(self, stored, n=None):
+        raw = np.ascontiguousarray(stored).view(np.uint8)
+        *lead, nb = raw.shape
+        blocks = raw.reshape(*lead, nb // 34, 34)
+        d = blocks[..., :2].copy().view("<f2")[..., 0].astype(np.float32)
+        q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+        values = (q * d[..., None]).reshape(*lead, (nb // 34) * 32)   # d * q: exact in float32
+        return values if n is None else np.ascontiguousarray(values[..., :n])
+
+
+Q8_0 = _Q8_0("q8_0", lib.LORA_FMT_Q8_0, 32, 34)
+
+ALL = tuple(Format(d.name, d.code, 1, d.itemsize, d) for d in dtypes.ALL) + (Q8_0,)
 
 if sorted(f.code for f in ALL) != list(range(lib.LORA_FMT_COUNT)):
     raise ImportError(f"lora-kernels: the Python format list has the codes "
@@ -77,3 +179,21 @@ def format_name(dtype):
     if name in BY_NAME:
         return name
     raise ValueError(f"dtype must be {QUOTED}, got {dtype!r}")
+
+
+def pair_name(a_name, b_name):
+    """A delta's ``dtype``: the one name where A's and B's formats agree, else ``"a/b"``."""
+    return a_name if a_name == b_name else f"{a_name}/{b_name}"
+
+
+def pair_names(dtype):
+    """(A's format name, B's) from a storage dtype, or from a pair name ``"q8_0/float16"``
+    (package-internal: pickles and loaders); ValueError otherwise."""
+    if isinstance(dtype, str) and "/" in dtype:
+        a, _, b = dtype.partition("/")
+        if a in BY_NAME and b in BY_NAME and a != b:
+            return a, b
+        raise ValueError(f"dtype must be {QUOTED} (or a pair of them, 'q8_0/float16'), "
+                         f"got {dtype!r}")
+    name = format_name(dtype)
+    return name, name

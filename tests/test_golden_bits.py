@@ -63,22 +63,46 @@ def delta(rank, storage, seed, *, rows=ROWS, cols=COLS, alpha=0.0):
     return lora.LoraDelta(a, b, alpha=alpha, scale=0.75, dtype=storage)
 
 
+def batch_cases(got, d, name, xts, seed):
+    """got[batch/<name>/x<xt>/o<ot>/b<batch>]: decode and batches of every x dtype in xts and
+    out dtype, inputs from seed (x) and seed + 2 (out)."""
+    for xt in xts:
+        for ot in DTYPES:
+            for batch in BATCHES:
+                x = as_dtype(values((batch, COLS), seed + batch), xt)
+                out = as_dtype(values((batch, ROWS), seed + 2 + batch, 8.0), ot)
+                if batch == 1:
+                    d.add_to(x[0], out[0])
+                else:
+                    d.add_batch_to(x, out)
+                got[f"batch/{name}/x{xt}/o{ot}/b{batch}"] = digest(out)
+
+
+def stack_bank_cases(got, stack, bank, tag, seed):
+    """got[stack<tag>/o<ot>/b<batch>] and got[bank<tag>/...]: a stack's batches, and a bank's
+    with ids over its entries (-1 included) and per-position scales, every out dtype; inputs
+    from seed (x), seed + 2 (the stack's out), seed + 6 (the bank's out), seed + 8 (scales)."""
+    for ot in DTYPES:
+        for batch in (1, 5, 300):
+            x = as_dtype(values((batch, COLS), seed + batch), "float32")
+            out = as_dtype(values((batch, ROWS), seed + 2 + batch, 8.0), ot)
+            stack.add_batch_to(x, out)
+            got[f"stack{tag}/o{ot}/b{batch}"] = digest(out)
+            ids = (np.arange(batch) * 5 + 1) % 5 - 1
+            scales = 0.25 + values((batch,), seed + 8)
+            out = as_dtype(values((batch, ROWS), seed + 6 + batch, 8.0), ot)
+            bank.add_batch_to(x, out, ids, scales=scales)
+            got[f"bank{tag}/o{ot}/b{batch}"] = digest(out)
+
+
 def cases():
     """{case name: hex digest} for the ISA path in use."""
     got = {}
     for st in DTYPES:
         for rank in RANKS:
             d = delta(rank, st, rank, alpha=2.0 * rank)
+            batch_cases(got, d, f"{st}/r{rank}", DTYPES, 11)
             for xt in DTYPES:
-                for ot in DTYPES:
-                    for batch in BATCHES:
-                        x = as_dtype(values((batch, COLS), 11 + batch), xt)
-                        out = as_dtype(values((batch, ROWS), 13 + batch, 8.0), ot)
-                        if batch == 1:
-                            d.add_to(x[0], out[0])
-                        else:
-                            d.add_batch_to(x, out)
-                        got[f"batch/{st}/r{rank}/x{xt}/o{ot}/b{batch}"] = digest(out)
                 # the gather (rows of B @ A)
                 ids = (np.arange(37) * 7) % ROWS
                 out = as_dtype(values((37, COLS), 17, 8.0), xt)
@@ -88,17 +112,8 @@ def cases():
     members = [delta(r, st, 40 + r) for r, st in ((5, "float32"), (17, "bfloat16"), (9, "float16"))]
     stack = lora.LoraStack(members)
     bank = lora.LoraBank([members[0], stack, None, members[2]])
+    stack_bank_cases(got, stack, bank, "", 21)
     for ot in DTYPES:
-        for batch in (1, 5, 300):
-            x = as_dtype(values((batch, COLS), 21 + batch), "float32")
-            out = as_dtype(values((batch, ROWS), 23 + batch, 8.0), ot)
-            stack.add_batch_to(x, out)
-            got[f"stack/o{ot}/b{batch}"] = digest(out)
-            ids = (np.arange(batch) * 5 + 1) % 5 - 1
-            scales = 0.25 + values((batch,), 29)
-            out = as_dtype(values((batch, ROWS), 27 + batch, 8.0), ot)
-            bank.add_batch_to(x, out, ids, scales=scales)
-            got[f"bank/o{ot}/b{batch}"] = digest(out)
         tok = (np.arange(33) * 3) % ROWS
         out = as_dtype(values((33, COLS), 31, 8.0), ot)
         bank.add_rows_to(tok, out, (np.arange(33) % 5) - 1)
@@ -125,8 +140,22 @@ def cases():
             out = values((9, COLS), 57, 8.0).astype(np.float32)
             g.add_rows_to(np.arange(9) * 4, out)
             got[f"view_a_by_row/{st}/r{rank}"] = digest(out)
+    # q8_0 storage (blocks of 32 int8 values and a float16 scale), alone and paired with
+    # another format, in every op; stacks and banks holding q8_0 members
+    for st in ("q8_0", "q8_0/float16", "bfloat16/q8_0"):
+        for rank in RANKS:
+            d = delta(rank, st, 70 + rank, alpha=2.0 * rank)
+            batch_cases(got, d, f"{st}/r{rank}", DTYPES if st == "q8_0" else ("float32",), 71)
+            ids = (np.arange(37) * 7) % ROWS
+            out = as_dtype(values((37, COLS), 77, 8.0), "float32")
+            d.add_rows_to(ids, out)
+            got[f"rows/{st}/r{rank}"] = digest(out)
+    q_members = [delta(r, st, 80 + r) for r, st in ((5, "q8_0"), (17, "bfloat16"), (33, "q8_0"))]
+    q_stack = lora.LoraStack(q_members)
+    q_bank = lora.LoraBank([q_members[0], q_stack, None, q_members[1]])
+    stack_bank_cases(got, q_stack, q_bank, "_q8_0", 81)
     # merges into every weight dtype, both layouts
-    for st in DTYPES:
+    for st in DTYPES + ("q8_0",):
         d = delta(17, st, 60, alpha=8.0)
         for wt in DTYPES:
             w = as_dtype(values((ROWS, COLS), 61, 4.0), wt)

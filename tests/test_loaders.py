@@ -678,7 +678,7 @@ def test_gguf_token_embd_layout(tmp_path):
 
 
 @pytest.mark.parametrize("qtype, storage", [(Q.F16, "float16"), (Q.BF16, "bfloat16"),
-                                            (Q.Q8_0, "float32"), (None, "float32")])
+                                            (Q.Q8_0, "q8_0/float32"), (None, "float32")])
 def test_gguf_storage_types(tmp_path, qtype, storage):
     if storage != "float32":
         _require_storage(storage)
@@ -694,7 +694,8 @@ def test_gguf_storage_types(tmp_path, qtype, storage):
                    ("blk.0.attn_k.weight.lora_b", b.astype(np.float16), None)]
         stored_a, stored_b = a.astype(np.float16), b.astype(np.float16)
     else:
-        # lora_b ne [4, 32]: for Q8_0 its rows (ne[0] = 4) are not whole blocks, so keep it F32
+        # lora_b ne [4, 32]: for Q8_0 its rows (ne[0] = 4) are not whole blocks, so keep it F32;
+        # a Q8_0 lora_a is kept as its blocks (q8_0), the F32 lora_b as float32
         tensors = [("blk.0.attn_k.weight.lora_a", a, qtype),
                    ("blk.0.attn_k.weight.lora_b", b, qtype if qtype == Q.BF16 else None)]
         stored_a = dequantize(quantize(a, qtype), qtype)

@@ -125,7 +125,10 @@ def header_lines(meta):
     if sz:
         lines.append(f"model sweep: {sz['layers']} layers of Llama-2-7B shapes, rank 16: adapters "
                      f"{fmt_bytes(sz['adapter_bytes']['float32'])} f32, {fmt_bytes(sz['adapter_bytes']['half'])} "
-                     f"f16/bf16 = {sz['half_over_llc']:.1f}x the {fmt_bytes(sz['llc_bytes'])} last-level cache"
+                     f"f16/bf16"
+                     + (f", {fmt_bytes(sz['adapter_bytes']['q8_0'])} q8_0 = {sz['q8_0_over_llc']:.1f}x"
+                        if "q8_0" in sz["adapter_bytes"] else f" = {sz['half_over_llc']:.1f}x")
+                     + f" the {fmt_bytes(sz['llc_bytes'])} last-level cache"
                      + (f" (set by {sz['capped_by']}; 2x the cache wants {sz['layers_wanted']} layers)"
                         if sz["capped_by"] else ""))
     load = meta.get("load")
@@ -292,7 +295,7 @@ def _edge_notes(w):
     if w.group == "setstep":
         e = impls["edge"]["median_s"]
         return [f"edge (every scale 0) {fmt_time(e)} = {100 * e / t:.0f}% of the step",
-                f"{r['bank_calls']} bank calls", f"{r['adapters']} adapters: {fmt_bytes(r['adapter_bytes'])} bf16, "
+                f"{r['bank_calls']} bank calls", f"{r['adapters']} adapters: {fmt_bytes(r['adapter_bytes'])} {w.dtype}, "
                 f"built in {r['build_s']:.1f} s"]
     if "delta" in impls:
         d = impls["delta"]["median_s"]

@@ -17,7 +17,7 @@ from .workloads import dorapeft, moepeft, vllmrows
 from .workloads import (BANK_EDGE_NAME, DECODE_SHAPES, EDGE_BATCH, bank_name, decode_name, dora_name, edge_name,
                         gather_name, halfact_name, moe_name, prefill_name, stack_name)
 
-DT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "-": "-"}
+DT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0", "-": "-"}
 
 
 def label(w):
@@ -265,7 +265,7 @@ class Target:
     bar: str = None  # plot: the bar series ("tuned" or "naive") the threshold is drawn on
 
 
-_SWEEP_F32, _SWEEP_BF16 = Rows("sweep", "float32"), Rows("sweep", "bfloat16")
+_SWEEP_F32, _SWEEP_BF16, _SWEEP_Q8 = Rows("sweep", "float32"), Rows("sweep", "bfloat16"), Rows("sweep", "q8_0")
 _MOE_TORCH = ("torch_bmm", "gather_einsum", "torch_group", "torch_grouped_mm")
 _BF16_DECODE = Rows("decode", "bfloat16", decode_name(4096, 4096, 16))
 
@@ -283,6 +283,16 @@ TARGETS = (
     Target("sweep bfloat16 vs DRAM bandwidth", _SWEEP_BF16, FromDram(DramShare()), ">=", 0.8),
     Target("sweep bf16 vs sweep f32", _SWEEP_BF16, FromDram(Speedup("ours_f32")), ">=", 1.7),
     Target("decode 4096x4096 r16 bf16 vs f32", _BF16_DECODE, Speedup("ours_f32"), ">=", 1.2),
+    # q8_0 storage: past the last-level cache its 1.06 bytes per value against bf16's 2 must
+    # show; in cache, its widening (int8 -> float32 times the block's scale) must not cost more
+    # than the bytes save
+    Target("sweep q8_0 vs DRAM bandwidth", _SWEEP_Q8, FromDram(DramShare()), ">=", 0.85),
+    Target("sweep q8_0 vs sweep bf16", _SWEEP_Q8, FromDram(Speedup("ours_bf16")), ">=", 1.7),
+    Target("adapter-set step q8_0 vs bf16", Rows("setstep", "q8_0"), Speedup("ours_bf16"), ">=", 1.6),
+    Target("decode 4096x4096 r16 q8_0 vs bf16", Rows("decode", "q8_0", decode_name(4096, 4096, 16)),
+           Speedup("ours_bf16"), ">=", 0.8),
+    *(Target(f"prefill b{n} q8_0 vs bf16", Rows("prefill", "q8_0", prefill_name(n)), Speedup("ours_bf16"),
+             ">=", 0.8) for n in (128, 512)),
     Target("decode 4096x4096 r16 bf16 vs NumPy tuned f32", _BF16_DECODE, Speedup("numpy_tuned_f32"), ">=", 3.0,
            bar="tuned"),
     *(t for n in (64, 512) for t in (

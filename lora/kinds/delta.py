@@ -115,31 +115,56 @@ def peft_delta(a, b, *, alpha, rslora=False, scale=1.0, dtype="float32"):
 
 
 
-def _restore(a_bits, b_bits, dtype, alpha, rslora, factor, scale):
+def _restore(a_bits, b_bits, dtype, alpha, rslora, factor, scale, dims=None):
     """Unpickling (and deep copies): a delta from its stored bits (see `LoraDelta._parts`)."""
-    return LoraDelta._from_bits(a_bits, b_bits, dtype, alpha, rslora, factor, scale)
+    return LoraDelta._from_bits(a_bits, b_bits, dtype, alpha, rslora, factor, scale, dims)
 
 
-def check_bits(a_bits, b_bits, dtype, a_ndim=2):
+def bits_shapes(fa, fb, rank, rows, cols, lead=()):
+    """The shapes of the stored bits of A (format ``fa``) and B (``fb``) of a ``[rows x cols]``
+    pair at ``rank``: A ``[..., rank, cols]``, B ``[..., rows, rank]`` for an element format,
+    a block format's blocks along A's rows and B^T's rows (`Format.store_b`)."""
+    a = fa.stored_shape((*lead, rank, cols))
+    b = (*lead, rows, rank) if fb.block == 1 else fb.stored_shape((*lead, rank, rows))
+    return a, b
+
+
+def check_bits(a_bits, b_bits, dtype, a_ndim=2, dims=None):
     """The stored bit arrays of a pickle, checked as a constructor checks its factors (a corrupt
-    pickle is a ValueError, never a read past a buffer): NumPy arrays of ``dtype``'s bit width,
-    ``a [..., rank, cols]`` and ``b [..., rows, rank]`` with every dimension at least 1; returns
-    them C-contiguous."""
-    name = formats.format_name(dtype)
-    fmt = formats.BY_NAME[name]
-    bits = fmt.bits()
+    pickle is a ValueError, never a read past a buffer): NumPy arrays of each factor's format's
+    bit type, ``a [..., rank, cols]`` and ``b [..., rows, rank]`` (a block format: its blocks,
+    `bits_shapes`, which needs ``dims = (rank, rows, cols)``) with every dimension at least 1,
+    every value finite; returns them C-contiguous, and ``(rank, rows, cols)``."""
+    a_name, b_name = formats.pair_names(dtype)
+    fa, fb = formats.BY_NAME[a_name], formats.BY_NAME[b_name]
+    name = formats.pair_name(a_name, b_name)
+
+    def refuse(why=""):
+        return ValueError(f"not the stored factors of a {name} LoRA pair: "
+                          f"{getattr(a_bits, 'shape', a_bits)!r} / "
+                          f"{getattr(b_bits, 'shape', b_bits)!r}{why}")
+
     if (type(a_bits) is not np.ndarray or type(b_bits) is not np.ndarray
-            or a_bits.dtype != bits or b_bits.dtype != bits or a_bits.ndim != a_ndim
+            or a_bits.dtype != fa.bits() or b_bits.dtype != fb.bits() or a_bits.ndim != a_ndim
             or b_bits.ndim != a_ndim or a_bits.shape[:-2] != b_bits.shape[:-2]
-            or a_bits.shape[-2] != b_bits.shape[-1] or 0 in a_bits.shape or 0 in b_bits.shape):
-        raise ValueError(f"not the stored factors of a {name} LoRA pair: "
-                         f"{getattr(a_bits, 'shape', a_bits)!r} / "
-                         f"{getattr(b_bits, 'shape', b_bits)!r}")
-    for which, arr in (("A", a_bits), ("B", b_bits)):
-        if not np.isfinite(fmt.load(arr)).all():
-            raise ValueError(f"not the stored factors of a {name} LoRA pair: {which} holds a "
-                             f"non-finite value (a constructor refuses them)")
-    return np.ascontiguousarray(a_bits), np.ascontiguousarray(b_bits)
+            or 0 in a_bits.shape or 0 in b_bits.shape):
+        raise refuse()
+    if dims is None:
+        if fa.block != 1 or fb.block != 1 or a_bits.shape[-2] != b_bits.shape[-1]:
+            raise refuse()
+        dims = (a_bits.shape[-2], b_bits.shape[-2], a_bits.shape[-1])
+    try:
+        rank, rows, cols = (operator.index(v) for v in dims)
+    except (TypeError, ValueError):
+        raise refuse(f" (dimensions {dims!r})") from None
+    if min(rank, rows, cols) < 1 or (a_bits.shape[-2:], b_bits.shape[-2:]) != \
+            bits_shapes(fa, fb, rank, rows, cols):
+        raise refuse(f" (want a rank-{rank} [{rows} x {cols}] pair)")
+    with np.errstate(invalid="ignore", over="ignore"):
+        for which, fmt, arr in (("A", fa, a_bits), ("B", fb, b_bits)):
+            if not np.isfinite(fmt.load(arr)).all():
+                raise refuse(f": {which} holds a non-finite value (a constructor refuses them)")
+    return np.ascontiguousarray(a_bits), np.ascontiguousarray(b_bits), (rank, rows, cols)
 
 
 @entry_type(stackable=True)
@@ -150,7 +175,11 @@ class LoraDelta(ByValue):
 
     - ``a``: lora_a, ``[rank, cols]``; ``b``: lora_b, ``[rows, rank]``; any real float array-like
       (float16, bfloat16 from ml_dtypes, float32, float64), copied into owned, aligned, packed
-      storage of ``dtype`` ("float32" | "float16" | "bfloat16"), rounded to nearest even.
+      storage of ``dtype``: "float32" | "float16" | "bfloat16" (rounded to nearest even), or
+      "q8_0" (llama.cpp's Q8_0: blocks of 32 int8 values with one float16 scale, quantized by
+      llama.cpp's reference rule on the float32 values; A blocked along its rows, B along its
+      columns, a shorter last block where a dimension is not a multiple of 32).  A q8_0 factor
+      computes exactly as the float32 factor holding its dequantized values ``d * q``.
     - ``effective_scale = scale * alpha_factor``, ``alpha_factor = alpha / rank`` (PEFT, llama.cpp
       ``llama_adapter_lora`` ``get_scale``), ``alpha / sqrt(rank)`` when ``rslora`` (PEFT
       ``use_rslora``), and 1 when ``alpha == 0`` (llama.cpp: no alpha in the file).
@@ -159,7 +188,8 @@ class LoraDelta(ByValue):
 
     Raises ``LoraShapeError`` when the pair does not fit (rank 0 included), ``TypeError`` for a
     non-float array, ``ValueError`` for non-finite values or alpha, or values that overflow the
-    storage dtype.  Compute is float32 in every case; results are deterministic for one ISA path
+    storage dtype (q8_0: a block whose largest magnitude passes 65504 x 127, whose scale would
+    overflow float16; the message names the factor and the block).  Compute is float32 in every case; results are deterministic for one ISA path
     and dtype, identical for every thread count and batch size.
 
     Pickling keeps the stored factors (bit for bit), dtype, alpha, rsLoRA, the alpha factor and
@@ -169,7 +199,7 @@ class LoraDelta(ByValue):
     """
 
     __slots__ = ("_ptr", "_view", "_rank", "_rows", "_cols", "_alpha", "_rslora", "_dtype",
-                 "_scale", "_alpha_factor", "_keep", "__weakref__")
+                 "_dtypes", "_scale", "_alpha_factor", "_keep", "__weakref__")
 
     def __init__(self, a, b, *, alpha=0.0, scale=1.0, rslora=False, base_shape=None,
                  dtype="float32"):
@@ -227,7 +257,7 @@ class LoraDelta(ByValue):
         self = cls.__new__(cls)
         self._own(ptr, rows, cols)
         self._rank, self._rows, self._cols = rank, rows, cols
-        self._alpha, self._rslora, self._dtype = 0.0, False, name
+        self._alpha, self._rslora, self._dtype, self._dtypes = 0.0, False, name, (name, name)
         self._scale = scale if isinstance(scale, LoraScale) else LoraScale(scale)
         self._alpha_factor = alpha_factor
         self._keep = keep
@@ -240,55 +270,90 @@ class LoraDelta(ByValue):
         self = cls.__new__(cls)
         self._own(ptr, rows, cols)
         self._rank, self._rows, self._cols = rank, rows, cols
-        self._alpha, self._rslora, self._dtype = alpha, rslora, dtype
+        self._alpha, self._rslora = alpha, rslora
+        self._dtypes = formats.pair_names(dtype)
+        self._dtype = formats.pair_name(*self._dtypes)
         self._scale = scale
         self._alpha_factor = alpha_factor
         self._keep = None
         return self
 
     @classmethod
-    def _from_bits(cls, a_bits, b_bits, dtype, alpha, rslora, factor, scale):
-        """A delta owning a copy of stored bits ``a [rank, cols]``, ``b [rows, rank]``
+    def _from_bits(cls, a_bits, b_bits, dtype, alpha, rslora, factor, scale, dims=None):
+        """A delta owning a copy of stored bits (`bits_shapes`; ``dims = (rank, rows, cols)``,
+        needed for a block format) in ``dtype`` (a format name, or a pair ``"q8_0/float16"``)
         (package-internal: unpickling), checked first (`check_bits`)."""
-        a_bits, b_bits = check_bits(a_bits, b_bits, dtype)
-        name = formats.format_name(dtype)
+        a_bits, b_bits, (rank, rows, cols) = check_bits(a_bits, b_bits, dtype, dims=dims)
+        a_name, b_name = formats.pair_names(dtype)
         alpha = check_alpha(alpha, rslora)
         if not isinstance(scale, LoraScale):
             raise TypeError(f"scale must be a LoraScale; got {type(scale).__name__}")
         factor = check_alpha(factor, False)
-        (rank, cols), rows = a_bits.shape, b_bits.shape[0]
-        code = formats.BY_NAME[name].code
-        ptr = lib.lora_delta_new(code, code, rank, rows, cols, ffi.from_buffer(a_bits),
+        name = formats.pair_name(a_name, b_name)
+        ptr = lib.lora_delta_new(formats.BY_NAME[a_name].code, formats.BY_NAME[b_name].code,
+                                 rank, rows, cols, ffi.from_buffer(a_bits),
                                  ffi.from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
         return cls._adopt(ptr, rank, rows, cols, alpha=alpha, rslora=bool(rslora), dtype=name,
                           scale=scale, alpha_factor=factor)
 
+    @classmethod
+    def _of(cls, a, b, *, alpha=0.0, scale=1.0, rslora=False, dtype="float32"):
+        """A delta whose factors may each be values (stored in that factor's format of
+        ``dtype``, a name or a pair ``"q8_0/float32"``) or `lora._formats.Stored` bits kept as
+        they are (package-internal: a GGUF file's Q8_0 lora_a); shapes as the constructor's."""
+        rank, cols = a.shape
+        rows = b.shape[0]
+        if b.shape != (rows, rank) or min(rank, rows, cols) < 1:
+            raise LoraShapeError.for_pair(rows, cols, rank, a.shape[0] * a.shape[1],
+                                          b.shape[0] * b.shape[1])
+        self = cls.__new__(cls)
+        self._init(a, b, rank, rows, cols, alpha, scale, rslora, dtype)
+        return self
+
+    def _stored_bits(self):
+        """The stored bits of A and B, in the layout `lora_delta_new` takes (`bits_shapes`)."""
+        fa, fb = (formats.BY_NAME[n] for n in self._dtypes)
+        a_shape, b_shape = bits_shapes(fa, fb, self._rank, self._rows, self._cols)
+        a = np.empty(a_shape, fa.bits())
+        b = np.empty(b_shape, fb.bits())
+        lib.lora_delta_export(self._ptr, ffi.from_buffer(a, require_writable=True),
+                              ffi.from_buffer(b, require_writable=True))
+        return a, b
+
     def _parts(self):
-        """By value (lora._byvalue): the stored bits, dtype, alpha, rsLoRA, factor, LoraScale."""
-        a, b = self.lora_weights()
-        bits = formats.BY_NAME[self._dtype].bits()
-        return _restore, (a.view(bits), b.view(bits), self._dtype, self._alpha, self._rslora,
-                          self._alpha_factor, self._scale)
+        """By value (lora._byvalue): the stored bits, dtype, alpha, rsLoRA, factor, LoraScale
+        and the dimensions."""
+        a, b = self._stored_bits()
+        return _restore, (a, b, self._dtype, self._alpha, self._rslora, self._alpha_factor,
+                          self._scale, (self._rank, self._rows, self._cols))
 
     _shallow = same_slots  # the same storage (never written after construction), same LoraScale
 
     def _init(self, a, b, rank, rows, cols, alpha, scale, rslora, dtype):
-        name = formats.format_name(dtype)
+        names = formats.pair_names(dtype)
         alpha = check_alpha(alpha, rslora)
         if not isinstance(scale, LoraScale):
             scale = LoraScale(scale)
-        fmt = formats.BY_NAME[name]
-        a_bits, b_bits = fmt.store(a, "lora_a"), fmt.store(b, "lora_b")
-        code = formats.BY_NAME[name].code
-        ptr = lib.lora_delta_new(code, code, rank, rows, cols, ffi.from_buffer(a_bits),
+        stored = []
+        for which, arr, name in (("lora_a", a, names[0]), ("lora_b", b, names[1])):
+            if isinstance(arr, formats.Stored):     # kept as a file holds it
+                stored.append((arr.format, arr.bits))
+                continue
+            fmt = formats.BY_NAME[name]
+            stored.append((fmt, fmt.store(arr, which) if which == "lora_a"
+                           else fmt.store_b(arr, which)))
+        (fa, a_bits), (fb, b_bits) = stored
+        names = (fa.name, fb.name)
+        name = formats.pair_name(*names)
+        ptr = lib.lora_delta_new(fa.code, fb.code, rank, rows, cols, ffi.from_buffer(a_bits),
                                  ffi.from_buffer(b_bits))
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate a rank-{rank} [{rows} x {cols}] {name} delta")
         self._own(ptr, rows, cols)
         self._rank, self._rows, self._cols = rank, rows, cols
-        self._alpha, self._rslora, self._dtype = alpha, bool(rslora), name
+        self._alpha, self._rslora, self._dtype, self._dtypes = alpha, bool(rslora), name, names
         self._scale = scale
         self._alpha_factor = alpha_factor(alpha, rank, self._rslora)
         self._keep = None
@@ -299,7 +364,9 @@ class LoraDelta(ByValue):
     cols = property(lambda self: self._cols, doc="n_in: columns of the base and of lora_a.")
     alpha = property(lambda self: self._alpha, doc="lora_alpha (0 = none: factor 1).")
     rslora = property(lambda self: self._rslora, doc="True when alpha is divided by sqrt(rank).")
-    dtype = property(lambda self: self._dtype, doc='Storage dtype: "float32" | "float16" | "bfloat16".')
+    dtype = property(lambda self: self._dtype, doc='Storage dtype: "float32" | "float16" | '
+                     '"bfloat16" | "q8_0"; where A and B differ, both, A\'s first ("q8_0/float16").')
+    dtypes = property(lambda self: self._dtypes, doc="The storage dtypes of (A, B).")
     scale = property(lambda self: self._scale, doc="The LoraScale read at every call (shared).")
     base_shape = property(lambda self: (self._rows, self._cols), doc="(rows, cols) of the base.")
 
@@ -310,9 +377,11 @@ class LoraDelta(ByValue):
 
     @property
     def resident_bytes(self):
-        """rank * (rows + cols) * itemsize of the storage dtype (logical; padding not counted)."""
-        fmt = formats.BY_NAME[self._dtype]
-        return self._rank * (fmt.nbytes(self._cols) + fmt.nbytes(self._rows))
+        """rank * (cols + rows) * itemsize of the storage dtypes (logical; padding not counted);
+        a q8_0 factor counts 2 bytes of scale and 1 byte per value for each block (34 per whole
+        block; a shorter last block 2 + its values)."""
+        fa, fb = (formats.BY_NAME[n] for n in self._dtypes)
+        return self._rank * (fa.nbytes(self._cols) + fb.nbytes(self._rows))
 
     def __repr__(self):
         return (f"LoraDelta(rank={self._rank}, rows={self._rows}, cols={self._cols}, "
@@ -400,13 +469,12 @@ class LoraDelta(ByValue):
 
     # -------------------------------------------------------------- offline
     def lora_weights(self):
-        """(lora_a [rank, cols], lora_b [rows, rank]) as stored, in the storage dtype (copies)."""
-        fmt = formats.BY_NAME[self._dtype]
-        a = np.empty((self._rank, self._cols), fmt.bits())
-        b = np.empty((self._rows, self._rank), fmt.bits())
-        lib.lora_delta_export(self._ptr, ffi.from_buffer(a, require_writable=True),
-                              ffi.from_buffer(b, require_writable=True))
-        return fmt.load(a), fmt.load(b)
+        """(lora_a [rank, cols], lora_b [rows, rank]) as stored, in the storage dtype (copies); a
+        q8_0 factor as float32 holding its dequantized values ``d * q`` (exact), the values
+        every op computes with."""
+        fa, fb = (formats.BY_NAME[n] for n in self._dtypes)
+        a, b = self._stored_bits()
+        return fa.load(a, self._cols), fb.load_b(b, self._rows)
 
     def _delta64(self, s, rows=slice(None)):
         a, b = self.lora_weights()

@@ -52,9 +52,9 @@ def _pair_error(a, b):
         rows=rows, cols=cols, rank=rank, a_len=a.size, b_len=b.size)
 
 
-def _restore(a_bits, b_bits, dtype, alpha, rslora, factor, scale):
+def _restore(a_bits, b_bits, dtype, alpha, rslora, factor, scale, dims=None):
     """Unpickling: experts from their stored bits (see `LoraExperts._parts`)."""
-    return LoraExperts._from_bits(a_bits, b_bits, dtype, alpha, rslora, factor, scale)
+    return LoraExperts._from_bits(a_bits, b_bits, dtype, alpha, rslora, factor, scale, dims)
 
 
 @entry_type
@@ -65,7 +65,8 @@ class LoraExperts(ByValue):
 
     - ``a``: ``[n_experts, rank, cols]``, ``b``: ``[n_experts, rows, rank]``: expert ``e``'s pair
       is ``(a[e], b[e])`` in `LoraDelta`'s layout; any real float array-like, copied into owned
-      storage of ``dtype`` ("float32" | "float16" | "bfloat16", rounded to nearest even).
+      storage of ``dtype`` ("float32" | "float16" | "bfloat16", rounded to nearest even, or
+      "q8_0": each expert's factors quantized as `LoraDelta` quantizes them).
     - ``effective_scale = scale * alpha_factor`` with LoraDelta's rule (``alpha / rank``,
       ``alpha / sqrt(rank)`` with ``rslora``, 1 at alpha 0); one `LoraScale` (``scale``: a float
       or a LoraScale to share) for every expert.
@@ -90,23 +91,44 @@ class LoraExperts(ByValue):
         if (a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[1] != b.shape[2]
                 or 0 in a.shape or 0 in b.shape):
             raise _pair_error(a, b)
-        name = formats.format_name(dtype)
+        names = formats.pair_names(dtype)
         alpha = check_alpha(alpha, rslora)
         if not isinstance(scale, LoraScale):
             scale = LoraScale(scale)
-        fmt = formats.BY_NAME[name]
-        a_bits, b_bits = fmt.store(a, "lora_a"), fmt.store(b, "lora_b")
-        self._build(a_bits, b_bits, name, alpha, bool(rslora),
-                    alpha_factor(alpha, a.shape[1], bool(rslora)), scale)
+        fa, fb = (formats.BY_NAME[n] for n in names)
+        a_bits, b_bits = fa.store(a, "lora_a"), fb.store_b(b, "lora_b")
+        self._build(a_bits, b_bits, names, alpha, bool(rslora),
+                    alpha_factor(alpha, a.shape[1], bool(rslora)), scale,
+                    (a.shape[1], b.shape[1], a.shape[2]))
 
     @classmethod
-    def _from_bits(cls, a_bits, b_bits, dtype, alpha, rslora, factor, scale):
-        a_bits, b_bits = check_bits(a_bits, b_bits, dtype, a_ndim=3)
+    def _of(cls, a, b, *, alpha=0.0, scale=1.0, rslora=False, dtype="float32"):
+        """Experts whose lora_a is a `lora._formats.Stored` ``[E, rank, cols]`` kept as it is (a
+        GGUF file's Q8_0 lora_a), lora_b values stored in B's format of ``dtype``
+        (package-internal: the loaders)."""
+        b = arrays.float_array(b, "lora_b")
+        n, rank, cols = a.shape
+        if b.ndim != 3 or b.shape[0] != n or b.shape[2] != rank or b.shape[1] < 1:
+            raise LoraShapeError(f"LoRA experts do not pair: lora_a {a.shape}, lora_b {b.shape}",
+                                 rank=rank, cols=cols, a_len=n * rank * cols, b_len=b.size)
+        alpha = check_alpha(alpha, rslora)
+        if not isinstance(scale, LoraScale):
+            scale = LoraScale(scale)
+        fb = formats.BY_NAME[formats.pair_names(dtype)[1]]
+        self = cls.__new__(cls)
+        self._build(a.bits, fb.store_b(b, "lora_b"), (a.format.name, fb.name), alpha,
+                    bool(rslora), alpha_factor(alpha, rank, bool(rslora)), scale,
+                    (rank, b.shape[1], cols))
+        return self
+
+    @classmethod
+    def _from_bits(cls, a_bits, b_bits, dtype, alpha, rslora, factor, scale, dims=None):
+        a_bits, b_bits, dims = check_bits(a_bits, b_bits, dtype, a_ndim=3, dims=dims)
         if not isinstance(scale, LoraScale):
             raise TypeError(f"scale must be a LoraScale; got {type(scale).__name__}")
         self = cls.__new__(cls)
-        self._build(a_bits, b_bits, formats.format_name(dtype), check_alpha(alpha, rslora),
-                    bool(rslora), check_alpha(factor, False), scale)
+        self._build(a_bits, b_bits, formats.pair_names(dtype), check_alpha(alpha, rslora),
+                    bool(rslora), check_alpha(factor, False), scale, dims)
         return self
 
     @classmethod
@@ -127,14 +149,16 @@ class LoraExperts(ByValue):
         self._set(deltas, d.alpha, d.rslora, d.dtype, d.scale, d._alpha_factor)
         return self
 
-    def _build(self, a_bits, b_bits, name, alpha, rslora, factor, scale):
-        """Each expert's packed C storage from the stored bits [E, rank, cols] / [E, rows, rank]."""
-        n, rank, cols = a_bits.shape
-        rows = b_bits.shape[1]
-        code = formats.BY_NAME[name].code
+    def _build(self, a_bits, b_bits, names, alpha, rslora, factor, scale, dims):
+        """Each expert's packed C storage from the stored bits [E, ...] (`bits_shapes`) of a
+        rank-``rank`` [rows x cols] pair, ``dims = (rank, rows, cols)``, formats ``names``."""
+        n = a_bits.shape[0]
+        rank, rows, cols = dims
+        name = formats.pair_name(*names)
+        ca, cb = (formats.BY_NAME[nm].code for nm in names)
         experts = []
         for e in range(n):
-            ptr = lib.lora_delta_new(code, code, rank, rows, cols, ffi.from_buffer(a_bits[e]),
+            ptr = lib.lora_delta_new(ca, cb, rank, rows, cols, ffi.from_buffer(a_bits[e]),
                                      ffi.from_buffer(b_bits[e]))
             if ptr == ffi.NULL:
                 raise MemoryError(f"cannot allocate expert {e} of {n}: a rank-{rank} "
@@ -166,7 +190,10 @@ class LoraExperts(ByValue):
     cols = property(lambda self: self._cols, doc="n_in of one expert.")
     alpha = property(lambda self: self._alpha, doc="lora_alpha (0 = none: factor 1).")
     rslora = property(lambda self: self._rslora, doc="True when alpha is divided by sqrt(rank).")
-    dtype = property(lambda self: self._dtype, doc='Storage dtype: "float32" | "float16" | "bfloat16".')
+    dtype = property(lambda self: self._dtype, doc='Storage dtype: "float32" | "float16" | '
+                     '"bfloat16" | "q8_0" (A\'s and B\'s where they differ: "q8_0/float32").')
+    dtypes = property(lambda self: formats.pair_names(self._dtype),
+                      doc="The storage dtypes of (A, B).")
     scale = property(lambda self: self._scale, doc="The LoraScale every expert reads (shared).")
     alpha_factor = property(lambda self: self._alpha_factor,
                             doc="alpha / rank (/ sqrt(rank) with rslora; 1 at alpha 0).")
@@ -182,9 +209,9 @@ class LoraExperts(ByValue):
 
     @property
     def resident_bytes(self):
-        """n_experts * rank * (rows + cols) * itemsize (logical; padding not counted)."""
-        fmt = formats.BY_NAME[self._dtype]
-        return self._n * self._rank * (fmt.nbytes(self._cols) + fmt.nbytes(self._rows))
+        """n_experts * rank * (cols + rows) * itemsize (logical; padding not counted; q8_0: 34
+        bytes per block, as `LoraDelta.resident_bytes`)."""
+        return self._n * self._experts[0].resident_bytes
 
     def __repr__(self):
         return (f"LoraExperts(n_experts={self._n}, rank={self._rank}, rows={self._rows}, "
@@ -211,16 +238,18 @@ class LoraExperts(ByValue):
 
     # ------------------------------------------------------------ pickling, copies
     def lora_weights(self):
-        """(lora_a [E, rank, cols], lora_b [E, rows, rank]) as stored, in the storage dtype."""
+        """(lora_a [E, rank, cols], lora_b [E, rows, rank]) as stored, in the storage dtype (q8_0:
+        float32 holding the dequantized values, as `LoraDelta.lora_weights`)."""
         got = [d.lora_weights() for d in self._experts]
         return np.stack([a for a, _ in got]), np.stack([b for _, b in got])
 
     def _parts(self):
-        """By value (lora._byvalue): the stored bits, dtype, alpha, rsLoRA, factor, LoraScale."""
-        a, b = self.lora_weights()
-        bits = formats.BY_NAME[self._dtype].bits()
-        return _restore, (a.view(bits), b.view(bits), self._dtype, self._alpha, self._rslora,
-                          self._alpha_factor, self._scale)
+        """By value (lora._byvalue): the stored bits, dtype, alpha, rsLoRA, factor, LoraScale
+        and the dimensions."""
+        got = [d._stored_bits() for d in self._experts]
+        return _restore, (np.stack([a for a, _ in got]), np.stack([b for _, b in got]),
+                          self._dtype, self._alpha, self._rslora, self._alpha_factor, self._scale,
+                          (self._rank, self._rows, self._cols))
 
     def _shallow(self):  # the same experts' storage and LoraScale
         new = type(self).__new__(type(self))

@@ -316,9 +316,13 @@ class LoraAdapter(ByValue, Mapping):
         deltas, zeroed = {}, []
         for name, new_name, delta, perm in plan:
             a, b = delta.lora_weights()
-            make = peft_delta if name in self._peft_zero_alpha else LoraDelta
+            fa, fb = delta.dtypes
+            if perm is not None and formats.BY_NAME[fb].block > 1:
+                fb = "float32"   # rows moved across blocks: the exact values, never re-quantized
+            make = peft_delta if name in self._peft_zero_alpha else LoraDelta._of
             deltas[new_name] = make(a, b if perm is None else b[perm], alpha=delta.alpha,
-                                    scale=self._scale, rslora=delta.rslora, dtype=delta.dtype)
+                                    scale=self._scale, rslora=delta.rslora,
+                                    dtype=formats.pair_name(fa, fb))
             if name in self._peft_zero_alpha:
                 zeroed.append(new_name)
         adapter = LoraAdapter(deltas, name=self._name, alpha=self._alpha, scale=self._scale,
@@ -354,7 +358,9 @@ class Pair:
     def __init__(self, name, a, b, *, alpha, rslora, zero_alpha, storage, tensors):
         self.name, self.a, self.b = name, a, b        # a [rank, cols], b [rows, rank]
         self.alpha, self.rslora, self.zero_alpha = alpha, rslora, zero_alpha
-        self.storage = storage                        # "float32" | "float16" | "bfloat16"
+        # "float32" | "float16" | "bfloat16" | "q8_0", or A's and B's ("q8_0/float16"); a or b
+        # may be a `lora._formats.Stored` (a file's Q8_0 blocks, kept as they are)
+        self.storage = storage
         self.tensors = tensors                        # the file's two tensor names, for messages
         # DoRA: (magnitude, base weight [rows, cols] (a view), embedding rule, magnitude key)
         self.dora = None
@@ -425,10 +431,14 @@ def build_adapter(pairs, *, path, name, alpha, scale, dtype, invocation_tokens=N
             # ValueError); NumPy's cast warning on the way there would only repeat it.
             with np.errstate(over="ignore"):
                 if p.a.ndim == 3:  # routed experts: a [E, rank, cols], b [E, rows, rank]
-                    delta = LoraExperts(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
-                                        dtype=storage)
+                    make = LoraExperts._of if isinstance(p.a, formats.Stored) else LoraExperts
+                    delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                                 dtype=storage)
                     if p.zero_alpha and delta.alpha == 0:
                         delta._zero_alpha()
+                elif isinstance(p.a, formats.Stored):  # a file's blocks, kept as they are
+                    delta = LoraDelta._of(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                                          dtype=storage)
                 else:
                     make = peft_delta if p.zero_alpha else LoraDelta
                     delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,

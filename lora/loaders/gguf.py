@@ -11,6 +11,7 @@ import numpy as np
 
 from .adapter import (Pair, build_adapter, check_finite, format_error, pair_storage, scale_arg,
                       storage_arg)
+from .. import _formats as formats
 from ..errors import LoraFormatError
 
 __all__ = ["load_gguf"]
@@ -154,27 +155,35 @@ def _gguf_array(tensor, path):
         # The reader exposes BF16 as raw bytes [rows, 2 * cols]; reinterpret, copying once.
         return np.array(tensor.data).view(np.uint16).view(ml_dtypes.bfloat16)
     if tt == T.Q8_0:
-        _q8_0_scales_finite(tensor, path)
+        _q8_0_blocks(tensor, path)
         return dequantize(tensor.data, T.Q8_0)      # float32, ggml's own dequantization
     raise AssertionError(tt)  # unreachable: types are filtered before reading
 
 
-def _q8_0_scales_finite(tensor, path):
-    """A Q8_0 block is a float16 scale d and 32 int8 values q (value d * q): a block whose d is
-    inf or NaN makes every value of it non-finite, refused here by its block index before
-    dequantizing (where inf * 0 would also raise NumPy's "invalid value" warning)."""
+def _q8_0_blocks(tensor, path):
+    """A Q8_0 tensor's blocks (llama.cpp's block_q8_0: a float16 scale d and 32 int8 values q,
+    value d * q, 34 bytes) as a C-contiguous uint8 array ``[..., ne[0] / 32 * 34]``, checked
+    before anything is kept: the byte length must be the shape's (ne[0] a multiple of 32), and
+    a block whose d is inf or NaN (every value of it non-finite) is refused by its block index
+    (before dequantizing, where inf * 0 would also raise NumPy's "invalid value" warning)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-    _, block_bytes = GGML_QUANT_SIZES[T.Q8_0]
+    block, block_bytes = GGML_QUANT_SIZES[T.Q8_0]
+    ne = [int(n) for n in tensor.shape]
     raw = np.ascontiguousarray(tensor.data).reshape(-1)
-    if raw.size % block_bytes:
-        return  # not whole blocks: the dequantization says what is wrong
+    rows = int(np.prod(ne[1:], dtype=np.int64))
+    if ne[0] % block or raw.size != rows * (ne[0] // block) * block_bytes:
+        raise format_error(path, f"a Q8_0 tensor of ne {ne} is whole blocks of {block} values "
+                                 f"along ne[0] ({rows * -(-ne[0] // block) * block_bytes} bytes "
+                                 f"when ne[0] is a multiple of {block}); it holds {raw.size} "
+                                 f"bytes", tensor=tensor.name)
     d = raw.reshape(-1, block_bytes)[:, :2].copy().view("<f2").reshape(-1)
     bad = np.flatnonzero(~np.isfinite(d))
     if bad.size:
         raise format_error(path, f"holds {bad.size} Q8_0 block(s) whose scale is not finite "
                                  f"(block {int(bad[0])}: {d[bad[0]]}), so is every value of such "
                                  f"a block: non-finite values (inf or NaN)", tensor=tensor.name)
+    return raw.reshape(*ne[:0:-1], ne[0] // block * block_bytes)
 
 
 def load_gguf(path, *, scale=1.0, dtype=None):
@@ -198,8 +207,17 @@ def load_gguf(path, *, scale=1.0, dtype=None):
     ``adapter.alora.invocation_tokens`` (UINT32 array) becomes `LoraAdapter.invocation_tokens`.
 
     Scale (llama.cpp ``get_scale``): ``scale * alpha / rank``, or ``scale`` when alpha is 0.
-    ``dtype``: None keeps F32, F16 and BF16 and turns F64 and Q8_0 (dequantized with
-    ``gguf.quants``) into float32; or one of ``"float32"``, ``"float16"``, ``"bfloat16"``.
+    ``dtype``: None keeps F32, F16, BF16 and Q8_0 and turns F64 into float32; or one of
+    ``"float32"``, ``"float16"``, ``"bfloat16"`` (every tensor stored so; Q8_0 dequantized first)
+    or ``"q8_0"``.  A Q8_0 tensor is kept as it is (``"q8_0"``, its blocks read in place by the
+    kernels) where its blocks lie along the axis our q8_0 storage blocks: ``lora_a`` of a linear
+    (``ne = [n_in, r]``) or of routed experts; a Q8_0 tensor blocked the other way (``lora_b``,
+    ``ne = [r, n_out]``, blocked along the rank; the token embedding's factors) is dequantized
+    exactly (``gguf.quants``) to float32.  Under ``dtype=None`` or ``"q8_0"`` no value of a Q8_0
+    tensor is ever quantized again: the values the file holds are the values applied;
+    ``"q8_0"`` quantizes every other tensor (llama.cpp's rule).  So llama.cpp's usual file
+    (``--outtype q8_0``: a Q8_0 ``lora_a``, an F16 ``lora_b`` below rank 32) loads as
+    ``"q8_0/float16"`` deltas.
 
     Raises `LoraFormatError` (naming the file and the tensor or metadata key) for a file that is
     not a GGUF LoRA adapter, wrong ``general.type`` / ``adapter.type``, an
@@ -252,7 +270,7 @@ def load_gguf(path, *, scale=1.0, dtype=None):
         name = p.stem
 
     supported = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16",
-                 T.Q8_0: "float32", T.F64: "float32"}
+                 T.Q8_0: "q8_0", T.F64: "float32"}
     halves, order, skipped = {}, [], []
     for t in reader.tensors:
         if t.name.endswith(".lora_a") or t.name.endswith(".lora_b"):
@@ -326,22 +344,38 @@ def load_gguf(path, *, scale=1.0, dtype=None):
             # numpy shape [ne[1], ne[0]] (experts: [ne[2], ne[1], ne[0]]): drops the trailing
             # unit dimensions checked above
             shape = [int(n) for n in t.shape[:2 if embd is not None else 3]][::-1]
+            kept = supported[t.tensor_type]
             try:
-                arr = _gguf_array(t, p).reshape(shape)
+                if kept == "q8_0" and t is ta and not embd and storage in (None, "q8_0"):
+                    # blocks along A's rows: the file's bytes are the blocks q8_0 storage holds
+                    arr = formats.Stored(formats.Q8_0, _q8_0_blocks(t, p), shape)
+                else:
+                    arr = _gguf_array(t, p).reshape(shape)
             except LoraFormatError:
                 raise
             except Exception as exc:
                 raise format_error(p, f"cannot be read: {exc}", tensor=t.name) from exc
-            check_finite(p, t.name, arr)
-            arrays.append((arr, supported[t.tensor_type]))
+            if not isinstance(arr, formats.Stored):
+                check_finite(p, t.name, arr)
+                if kept == "q8_0":          # blocked along the other axis: float32, exactly
+                    kept = "float32"
+                # under dtype="q8_0" a dequantized Q8_0 tensor stays float32 (never quantized
+                # again); every other tensor takes the dtype asked for
+                if storage is not None and not (storage == "q8_0" and t.tensor_type == T.Q8_0):
+                    kept = storage
+            arrays.append((arr, kept))
         (a, dta), (b, dtb) = arrays
         if embd:
             a, b = b.T, a       # ours: a = lora_b.T [r, n_embd], b = lora_a [n_vocab, r]
+        if dta == "q8_0" or dtb == "q8_0" or storage is not None:
+            both = formats.pair_name(dta, dtb)          # each factor's own storage
+        else:
+            both = pair_storage(dta, dtb)
         pairs.append(Pair(base, a, b, alpha=alpha, rslora=False, zero_alpha=False,
-                           storage=pair_storage(dta, dtb), tensors=(ta.name, tb.name)))
+                           storage=both, tensors=(ta.name, tb.name)))
     del reader      # drop the memory map; the deltas own copies
 
-    adapter = build_adapter(pairs, path=p, name=name, alpha=alpha, scale=shared, dtype=storage,
+    adapter = build_adapter(pairs, path=p, name=name, alpha=alpha, scale=shared, dtype=None,
                             invocation_tokens=invocation_tokens)
     if skipped:
         shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")

@@ -7,7 +7,8 @@
  * without OpenMP.  The Python tests reach the same kernels with every dtype
  * of x and out (NumPy arrays and torch tensors are read in place); this file
  * checks them with nothing but the C API, so a bare cross build can run it,
- * and it walks every storage x x x out dtype of the registry (LORA_DTYPES).
+ * and it walks every storage format (LORA_FORMATS) x x x out dtype
+ * (LORA_DTYPES) of the registries.
  * For every available path, storage dtype, x dtype and out dtype, over sizes
  * that straddle the register widths:
  *   - accuracy: every float32 result within a forward error bound of a
@@ -30,6 +31,9 @@
  *     once), within the bound of the reference;
  *   - a bank row = its entry applied alone, with -1 ids and zero position
  *     scales leaving the row's bits untouched;
+ *   - a Q8_0 delta (blocks quantized here by llama.cpp's reference rule) gives,
+ *     bit for bit, what the float32 delta holding its dequantized values
+ *     d * q gives: decode, batches past the plan's widening, the gather;
  *   - routed experts (LORA_OP_EXPERTS): every (token, slot) pair's row =
  *     its adapter's expert applied alone, x shared by a token's slots or one
  *     per slot, -1 experts / adapters and zero scales untouched, 1 thread =
@@ -139,6 +143,8 @@ static char g_what[256];
 
 #define DT_NAME_(A, CODE, NAME, BYTES, BITS) [CODE] = #NAME,
 static const char *DT[LORA_DTYPE_COUNT] = {LORA_DTYPES(DT_NAME_, )};
+#define FMT_NAME_(A, CODE, NAME, BLOCK, BYTES, VALUE) [CODE] = #NAME,
+static const char *FMT[LORA_FMT_COUNT] = {LORA_FORMATS(FMT_NAME_, )};
 static const char *ISA_NAME[LORA_ISA_COUNT] = {[LORA_ISA_SCALAR] = "scalar", [LORA_ISA_AVX2] = "avx2",
                                                [LORA_ISA_AVX512] = "avx512", [LORA_ISA_NEON] = "neon"};
 
@@ -185,12 +191,51 @@ typedef struct {
     double *a, *b;
 } delta_t;
 
-static delta_t make_delta(int dt, int64_t rank, int64_t rows, int64_t cols) {
+/* llama.cpp's quantize_row_q8_0_ref on n rows of len values (w: row r at w + r * stride_r,
+ * value j at + j * stride_j) into n rows of ceil(len / 32) blocks at dst (a float16 d, 32 int8
+ * q); w gets the dequantized values d * q back */
+static void quantize_q8_0(float *w, int64_t n, int64_t len, int64_t stride_r, int64_t stride_j,
+                          unsigned char *dst) {
+    const int64_t nblk = (len + 31) / 32;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t k = 0; k < nblk; k++) {
+            unsigned char *blk = dst + (size_t)((r * nblk + k) * 34);
+            const int64_t m = len - 32 * k < 32 ? len - 32 * k : 32;
+            float amax = 0.0f;
+            for (int64_t j = 0; j < m; j++) {
+                const float v = fabsf(w[r * stride_r + (32 * k + j) * stride_j]);
+                if (v > amax) amax = v;
+            }
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const uint16_t h = lora_f32_to_f16(d);
+            const float dh = lora_f16_to_f32(h);
+            blk[0] = (unsigned char)(h & 0xffu), blk[1] = (unsigned char)(h >> 8);
+            memset(blk + 2, 0, 32);
+            for (int64_t j = 0; j < m; j++) {
+                float *v = &w[r * stride_r + (32 * k + j) * stride_j];
+                const int8_t q = (int8_t)roundf(*v * id);
+                blk[2 + j] = (unsigned char)q;
+                *v = (float)q * dh;
+            }
+        }
+}
+
+static delta_t make_delta(int fmt, int64_t rank, int64_t rows, int64_t cols) {
     delta_t r = {NULL, rank, rows, cols, NULL, NULL};
     float *wa = (float *)xmalloc(sizeof(float) * (size_t)(rank * cols));
     float *wb = (float *)xmalloc(sizeof(float) * (size_t)(rows * rank));
-    void *a = rand_array(rank * cols, dt, wa, 1.0f), *b = rand_array(rows * rank, dt, wb, 1.0f);
-    r.d = lora_delta_new(dt, dt, rank, rows, cols, a, b);
+    void *a, *b;
+    if (fmt == LORA_FMT_Q8_0) { /* A's rows and B's columns (B^T's rows), blocks of 32 */
+        a = xmalloc((size_t)(rank * ((cols + 31) / 32) * 34));
+        b = xmalloc((size_t)(rank * ((rows + 31) / 32) * 34));
+        for (int64_t i = 0; i < rank * cols; i++) wa[i] = randn();
+        for (int64_t i = 0; i < rows * rank; i++) wb[i] = randn() * (1.0f + (float)(i % 5));
+        quantize_q8_0(wa, rank, cols, cols, 1, (unsigned char *)a);
+        quantize_q8_0(wb, rank, rows, 1, rank, (unsigned char *)b);
+    } else { /* an element format is its dtype */
+        a = rand_array(rank * cols, fmt, wa, 1.0f), b = rand_array(rows * rank, fmt, wb, 1.0f);
+    }
+    r.d = lora_delta_new(fmt, fmt, rank, rows, cols, a, b);
     if (!r.d) {
         printf("lora_delta_new failed\n");
         exit(2);
@@ -298,7 +343,7 @@ static void check_shape(int isa, int dt, int64_t rank, int64_t rows, int64_t col
         for (int ot = 0; ot < LORA_DTYPE_COUNT; ot++) {
             void *out0 = rand_array(no, ot, ow, 2.0f);
             snprintf(g_what, sizeof g_what, "prefill st=%s x=%s out=%s rank=%lld rows=%lld cols=%lld batch=%lld",
-                     DT[dt], DT[xt], DT[ot], (long long)rank, (long long)rows, (long long)cols,
+                     FMT[dt], DT[xt], DT[ot], (long long)rank, (long long)rows, (long long)cols,
                      (long long)batch);
             /* float32 x and out holding the same values: the reference result */
             memcpy(o32, ow, sizeof(float) * (size_t)no);
@@ -349,7 +394,7 @@ static void check_shape(int isa, int dt, int64_t rank, int64_t rows, int64_t col
     void *gg = xmalloc((size_t)(n * cols) * 4), *gwant = xmalloc((size_t)(n * cols) * 4);
     void *gone = xmalloc((size_t)cols * 4);
     for (int ot = 0; ot < LORA_DTYPE_COUNT; ot++) {
-        snprintf(g_what, sizeof g_what, "gather st=%s out=%s rank=%lld rows=%lld cols=%lld", DT[dt],
+        snprintf(g_what, sizeof g_what, "gather st=%s out=%s rank=%lld rows=%lld cols=%lld", FMT[dt],
                  DT[ot], (long long)rank, (long long)rows, (long long)cols);
         void *out0 = rand_array(n * cols, ot, gw, 2.0f);
         memcpy(g32, gw, sizeof(float) * (size_t)(n * cols));
@@ -375,6 +420,47 @@ static void check_shape(int isa, int dt, int64_t rank, int64_t rows, int64_t col
     free_delta(&d);
 }
 
+/* ------------------------------------------------------------- Q8_0 */
+
+/* A Q8_0 delta against the float32 delta holding its dequantized values: the same bits for
+ * every x and out dtype, decode, small and widened batches, and the gather */
+static void check_q8_0_is_f32(int64_t rank, int64_t rows, int64_t cols) {
+    delta_t q = make_delta(LORA_FMT_Q8_0, rank, rows, cols);
+    float *a = (float *)xmalloc(sizeof(float) * (size_t)(rank * cols));
+    float *b = (float *)xmalloc(sizeof(float) * (size_t)(rows * rank));
+    for (int64_t i = 0; i < rank * cols; i++) a[i] = (float)q.a[i];
+    for (int64_t i = 0; i < rows * rank; i++) b[i] = (float)q.b[i];
+    lora_delta *f = lora_delta_new(LORA_FMT_F32, LORA_FMT_F32, rank, rows, cols, a, b);
+    float *tmp = (float *)xmalloc(sizeof(float) * (size_t)(70 * (rows > cols ? rows : cols)));
+    static const int64_t NS[3] = {1, 6, 70};
+    for (int xt = 0; xt < LORA_DTYPE_COUNT; xt++)
+        for (int ot = 0; ot < LORA_DTYPE_COUNT; ot++)
+            for (int k = 0; k < 3; k++) {
+                const int64_t n = NS[k];
+                snprintf(g_what, sizeof g_what, "q8_0 = f32 x=%s out=%s rank=%lld rows=%lld cols=%lld n=%lld",
+                         DT[xt], DT[ot], (long long)rank, (long long)rows, (long long)cols, (long long)n);
+                void *x = rand_array(n * cols, xt, tmp, 1.0f);
+                void *o1 = rand_array(n * rows, ot, tmp, 2.0f);
+                void *o2 = xmalloc((size_t)(n * rows) * lora_dtype_size(ot));
+                memcpy(o2, o1, (size_t)(n * rows) * lora_dtype_size(ot));
+                add_batch_(q.d, 0.625f, n, x, xt, cols, o1, ot, rows);
+                add_batch_(f, 0.625f, n, x, xt, cols, o2, ot, rows);
+                CHECK(same_bits(o1, o2, n * rows, ot), "batch: not the float32 delta's bits");
+                free(x), free(o1), free(o2);
+            }
+    int64_t ids[9], bad;
+    for (int i = 0; i < 9; i++) ids[i] = (int64_t)(next_u64() % (uint64_t)rows);
+    void *g1 = rand_array(9 * cols, LORA_DTYPE_F32, tmp, 1.0f);
+    void *g2 = xmalloc((size_t)(9 * cols) * 4);
+    memcpy(g2, g1, (size_t)(9 * cols) * 4);
+    add_rows_(q.d, 0.625f, 9, ids, g1, LORA_DTYPE_F32, cols, &bad);
+    add_rows_(f, 0.625f, 9, ids, g2, LORA_DTYPE_F32, cols, &bad);
+    CHECK(same_bits(g1, g2, 9 * cols, LORA_DTYPE_F32), "gather: not the float32 delta's bits");
+    free(g1), free(g2), free(tmp), free(a), free(b);
+    lora_delta_free(f);
+    free_delta(&q);
+}
+
 /* ------------------------------------------------------------- threads */
 
 /* f(out) with 1 thread and with 2: same bits */
@@ -388,7 +474,7 @@ static void check_threads_batch(int dt, int ot, int64_t rank, int64_t rows, int6
     const size_t ob = (size_t)(batch * rows) * lora_dtype_size(ot);
     void *o1 = xmalloc(ob), *o2 = xmalloc(ob);
     snprintf(g_what, sizeof g_what, "threads st=%s out=%s rank=%lld rows=%lld cols=%lld batch=%lld",
-             DT[dt], DT[ot], (long long)rank, (long long)rows, (long long)cols, (long long)batch);
+             FMT[dt], DT[ot], (long long)rank, (long long)rows, (long long)cols, (long long)batch);
     memcpy(o1, out0, ob), memcpy(o2, out0, ob);
     lora_set_num_threads(1);
     add_batch_(d.d, 0.5f, batch, x, LORA_DTYPE_BF16, cols, o1, ot, rows);
@@ -415,7 +501,7 @@ static void check_threads_batch(int dt, int ot, int64_t rank, int64_t rows, int6
 static void check_stack_and_bank(int ot, int64_t rows, int64_t cols, int64_t batch, int threads) {
     /* members of every storage dtype and different ranks */
     delta_t m[4] = {make_delta(LORA_DTYPE_F32, 5, rows, cols), make_delta(LORA_DTYPE_F16, 17, rows, cols),
-                    make_delta(LORA_DTYPE_BF16, 33, rows, cols), make_delta(LORA_DTYPE_F16, 8, rows, cols)};
+                    make_delta(LORA_DTYPE_BF16, 33, rows, cols), make_delta(LORA_FMT_Q8_0, 8, rows, cols)};
     const lora_delta *dp[4] = {m[0].d, m[1].d, m[2].d, m[3].d};
     const double sc[4] = {0.75, -1.25, 0.5, 2.0};
     const int64_t no = batch * rows;
@@ -582,7 +668,7 @@ static void check_experts(int ot, int shared, int64_t rows, int64_t cols, int64_
     const lora_delta *dp[2 * E];
     double sc[2 * E];
     for (int q = 0; q < 2 * E; q++) {
-        m[q] = make_delta(q % LORA_DTYPE_COUNT, 1 + 7 * (q % 3), rows, cols);
+        m[q] = make_delta(q % LORA_FMT_COUNT, 1 + 7 * (q % 3), rows, cols);
         dp[q] = m[q].d;
         sc[q] = 0.25 * (q + 1) * (q % 2 ? -1 : 1);
     }
@@ -656,7 +742,7 @@ static void check_statuses(void) {
     const float a[2] = {1.0f, 2.0f}, b[3] = {1.0f, -1.0f, 0.5f};
     lora_delta *d = lora_delta_new(LORA_FMT_F32, LORA_FMT_F32, 1, 3, 2, a, b);
     CHECK(d != NULL, "lora_delta_new");
-    const int bad_codes[2] = {-1, LORA_DTYPE_COUNT};
+    const int bad_codes[2] = {-1, LORA_DTYPE_COUNT}, bad_formats[2] = {-1, LORA_FMT_COUNT};
     float x[2] = {1.0f, 1.0f}, out[3] = {0.0f, 0.0f, 0.0f};
     int64_t ids[1] = {0}, bad = 7;
     const int64_t first[2] = {0, 1};
@@ -664,8 +750,10 @@ static void check_statuses(void) {
     const double sc[1] = {1.0};
     for (int c = 0; c < 2; c++) {
         const int dt = bad_codes[c];
-        CHECK(lora_delta_new(dt, dt, 1, 3, 2, a, b) == NULL, "lora_delta_new(dtype %d)", dt);
-        CHECK(lora_delta_view(dt, 1, 3, 2, a, 2, 0, b, 3, 0) == NULL, "lora_delta_view(dtype %d)", dt);
+        const int bf = bad_formats[c];
+        CHECK(lora_delta_new(bf, bf, 1, 3, 2, a, b) == NULL, "lora_delta_new(format %d)", bf);
+        CHECK(lora_delta_new(LORA_FMT_F32, bf, 1, 3, 2, a, b) == NULL, "lora_delta_new(B format %d)", bf);
+        CHECK(lora_delta_view(bf, 1, 3, 2, a, 2, 0, b, 3, 0) == NULL, "lora_delta_view(format %d)", bf);
         CHECK(add_(d, 1.0f, x, dt, out, LORA_DTYPE_F32) == LORA_ERR_DTYPE, "add x dtype %d", dt);
         CHECK(add_(d, 1.0f, x, LORA_DTYPE_F32, out, dt) == LORA_ERR_DTYPE, "add out dtype %d", dt);
         CHECK(apply_batch_(1, first, dp, sc, NULL, NULL, 1, 3, 2, 1, x, dt, 2, out, LORA_DTYPE_F32, 3,
@@ -680,6 +768,8 @@ static void check_statuses(void) {
               "lora_merge dtype %d", dt);
     }
     CHECK(out[0] == 0.0f && out[1] == 0.0f && out[2] == 0.0f, "a refused call wrote out");
+    /* a view reads caller's rows of values: no block format */
+    CHECK(lora_delta_view(LORA_FMT_Q8_0, 1, 3, 2, a, 32, 0, b, 32, 0) == NULL, "a Q8_0 view");
     /* abs-max and merge on every dtype: statuses and results */
     for (int dt = 0; dt < LORA_DTYPE_COUNT; dt++) {
         snprintf(g_what, sizeof g_what, "abs_max / merge w=%s", DT[dt]);
@@ -730,17 +820,20 @@ int main(void) {
         set_isa(isa);
         g_isa = ISA_NAME[isa];
         const long before = g_pass + g_fail, failed = g_fail;
-        for (int dt = 0; dt < LORA_DTYPE_COUNT; dt++)
+        for (int fmt = 0; fmt < LORA_FMT_COUNT; fmt++)
             for (int dim = 0; dim < 3; dim++)
                 for (int s = 0; s < nsizes; s++) {
                     int64_t r[3] = {8, 24, 40}; /* rank, rows, cols */
                     r[dim] = SIZES[s];
-                    check_shape(isa, dt, r[0], r[1], r[2], 6);
+                    check_shape(isa, fmt, r[0], r[1], r[2], 6);
                 }
+        for (int s = 0; s < nsizes; s++) check_q8_0_is_f32(1 + SIZES[s] % 20, SIZES[s] + 16, SIZES[s] * 3);
+        check_q8_0_is_f32(17, 300, 4113);
         for (int ot = 0; ot < LORA_DTYPE_COUNT; ot++) {
             /* above the parallel threshold: prefill, decode (team splits one block) */
             check_threads_batch(ot == 0 ? LORA_DTYPE_F32 : ot, ot, 33, 1001, 1003, 9);
             check_threads_batch(ot == 2 ? LORA_DTYPE_F32 : LORA_DTYPE_BF16, ot, 64, 1100, 1100, 1);
+            check_threads_batch(LORA_FMT_Q8_0, ot, 48, 1100, 1003, ot == 1 ? 1 : 9);
             check_stack_and_bank(ot, 40, 33, 13, 1);
             check_stack_and_bank(ot, 1001, 257, 11, 2);
             check_experts(ot, 1, 33, 17, 7, 1);

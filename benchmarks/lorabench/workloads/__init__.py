@@ -56,7 +56,7 @@ def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS, quick=Fal
     def add(name, group, dtype, build, key=""):
         W.append(Workload(name, group, dtype, build, key))
 
-    for dtype in ("float32", "float16", "bfloat16"):
+    for dtype in ("float32", "float16", "bfloat16", "q8_0"):
         for rows, cols, r in DECODE_SHAPES:
             key = decode_name(rows, cols, r)
             add(key, "decode", dtype, lambda c, a=(rows, cols, [r], None, dtype): build_linear(c, *a), key)
@@ -84,7 +84,9 @@ def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS, quick=Fal
         for act in EDGE_ACTS:
             add(edge_name(method, batch), "edge", act, lambda c, a=(method, act, batch): build_edge(c, *a))
     add(BANK_EDGE_NAME, "edge", "float32", build_bank_edge)
-    add(set_step_name(set_layers), "setstep", "bfloat16", lambda c: build_set_step(c, set_layers))
+    for dtype in ("bfloat16", "q8_0"):
+        add(set_step_name(set_layers), "setstep", dtype, lambda c, d=dtype: build_set_step(c, set_layers, dtype=d),
+            set_step_name(set_layers))
     merge_n = QUICK_MERGE_N if quick else MERGE_N
     for wdt in MERGE_DTYPES:
         add(merge_name(merge_n), "merge", wdt, lambda c, w=wdt: build_merge(c, w, merge_n))

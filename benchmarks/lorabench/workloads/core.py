@@ -45,7 +45,9 @@ class Ctx:
 
 
 # relative-norm tolerance of the sanity check against float64 (half storage rounds A and B)
-TOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+TOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2, "q8_0": 3e-2}
+# bytes per stored value: q8_0 keeps 34 bytes per block of 32 (a float16 scale, 32 int8 values)
+VALUE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "q8_0": 34 / 32}
 
 
 def rand(rng, shape, amp):
@@ -78,7 +80,9 @@ def scale_of(d):
 
 
 def torch_dtype(torch, name):
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    """The torch dtype of a storage dtype; None for q8_0 (torch has no such matmul operand: its
+    rows have no torch baseline)."""
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
 
 
 def linear_model(rows, cols, ranks, n, w):
@@ -86,7 +90,7 @@ def linear_model(rows, cols, ranks, n, w):
     `ranks` stored with itemsize w, float32 x and out:
     bytes = rank*(rows+cols)*w per delta + n*cols*4 (read x) + n*rows*4*2 (read and write out);
     flops = 2*n*rank*(rows+cols) per delta (A@x, then B@y; the scale is O(n*rank), not counted)."""
-    nbytes = sum(r * (rows + cols) * w for r in ranks) + n * cols * 4 + n * rows * 8
+    nbytes = int(sum(r * (rows + cols) * w for r in ranks)) + n * cols * 4 + n * rows * 8
     flops = sum(2 * n * r * (rows + cols) for r in ranks)
     return nbytes, flops
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..timing import Impl
 from .baselines import calls, numpy_concat, numpy_naive, numpy_tuned, torch_baseline, torch_concat
-from .core import TOL, Built, linear_model, lora_ref, make_delta, pair, rand, scale_of, torch_dtype
+from .core import TOL, VALUE_BYTES, Built, linear_model, lora_ref, make_delta, pair, rand, scale_of, torch_dtype
 
 DECODE_SHAPES = ((4096, 4096, 8), (4096, 4096, 16), (4096, 4096, 64), (11008, 4096, 16), (4096, 11008, 16))
 PREFILL_BATCHES = (1, 8, 32, 128, 512)
@@ -57,7 +57,7 @@ def build_linear(ctx, rows, cols, ranks, batch, dtype):
         impls.update(numpy_tuned(calls(terms, x, zeros())))
         if len(terms) > 1:
             impls.update(numpy_concat(terms, x, zeros()))
-    if torch is not None:
+    if torch is not None and torch_dtype(torch, dtype) is not None:
         impls.update(torch_baseline(
             torch, calls(terms, torch.from_numpy(x), torch.from_numpy(zeros())), torch_dtype(torch, dtype)))
         if len(terms) > 1:
@@ -72,5 +72,5 @@ def build_linear(ctx, rows, cols, ranks, batch, dtype):
     def ref_once():
         return sum(lora_ref(a, b, s, x) for a, b, s in terms)
 
-    nbytes, flops = linear_model(rows, cols, ranks, n, 4 if dtype == "float32" else 2)
+    nbytes, flops = linear_model(rows, cols, ranks, n, VALUE_BYTES[dtype])
     return Built(impls, nbytes, flops, (ours_once, ref_once, TOL[dtype]))

@@ -102,6 +102,10 @@ def analyse(wl, res, bw, peak, threads, caches, by_key):
             if name in twin.result["impls"]:
                 ratio(name + "_f32", twin.result["impls"][name])
         ratio("ours_f32", twin.result["impls"]["ours"])
+    # a q8_0 row against its bfloat16 twin (the format it halves the bytes of)
+    bf16 = by_key.get((wl.key, "bfloat16")) if wl.dtype == "q8_0" and wl.key else None
+    if bf16 is not None and "impls" in bf16.result:
+        ratio("ours_bf16", bf16.result["impls"]["ours"])
     res["speedup"] = sp
     res["ratio_marks"] = {k: v for k, v in marks.items() if v}
 

@@ -1,10 +1,11 @@
-"""One serving step: a decode step of a batch through an ``AdapterSet`` of bf16 adapters over
+"""One serving step: a decode step of a batch through an ``AdapterSet`` of bf16 (or q8_0) adapters over
 every adapted projection of Llama-2-7B-shaped layers (one bank call per projection), with the
 same step at scale 0 as its Python share.  No baselines: nothing else serves many adapters per
 call.
 
-Bytes / flops per bank call (u distinct adapters used, batch n): bytes = u*rank*(rows+cols)*2 +
-n*(cols*4 + rows*4*2) + n*16 (ids and scales); flops = 2*n*rank*(rows+cols).
+Bytes / flops per bank call (u distinct adapters used, batch n): bytes = u*rank*(rows+cols)*w +
+n*(cols*4 + rows*4*2) + n*16 (ids and scales), w the bytes per stored value (2; 34/32 for
+q8_0); flops = 2*n*rank*(rows+cols).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 import numpy as np
 
 from ..timing import Impl
-from .core import TOL, Built, lora_ref, pair, rand
+from .core import TOL, VALUE_BYTES, Built, lora_ref, pair, rand
 from .sweep import LLAMA2_7B
 
 SET_ADAPTERS, SET_RANK, SET_BATCH = 8, 16, 8
@@ -25,9 +26,10 @@ def set_step_name(layers):
     return f"adapter-set step {layers}L 8x r16 b8"
 
 
-def build_set_step(ctx, layers, n_adapters=SET_ADAPTERS, rank=SET_RANK, batch=SET_BATCH):
+def build_set_step(ctx, layers, n_adapters=SET_ADAPTERS, rank=SET_RANK, batch=SET_BATCH,
+                   dtype="bfloat16"):
     """One decode step of `batch` sequences through an ``AdapterSet`` of `n_adapters` adapters
-    (bf16 storage) over every adapted projection of `layers` Llama-2-7B-shaped layers: one bank
+    (storage `dtype`) over every adapted projection of `layers` Llama-2-7B-shaped layers: one bank
     call per projection (7 per layer), float32 activations, random slot ids and per-position
     float64 scales.  ours: the step; edge: the same step with every adapter's LoraScale at 0
     (the calls check and return: the Python and C-entry share of the step)."""
@@ -41,7 +43,7 @@ def build_set_step(ctx, layers, n_adapters=SET_ADAPTERS, rank=SET_RANK, batch=SE
         for layer in range(layers):
             for proj, rows, cols in LLAMA2_7B:
                 a, b = pair(rng, rows, cols, rank)
-                ds[f"{layer}.{proj}"] = lora.LoraDelta(a, b, alpha=2.0 * rank, scale=sc, dtype="bfloat16")
+                ds[f"{layer}.{proj}"] = lora.LoraDelta(a, b, alpha=2.0 * rank, scale=sc, dtype=dtype)
                 if layer == 0 and proj == "q":
                     checked.append((a, b))
         aset.add(f"adapter{k}", lora.LoraAdapter(ds, name=f"adapter{k}", alpha=2.0 * rank, scale=sc))
@@ -87,8 +89,8 @@ def build_set_step(ctx, layers, n_adapters=SET_ADAPTERS, rank=SET_RANK, batch=SE
     nbytes = flops = 0
     for _ in range(layers):
         for _, rows, cols in LLAMA2_7B:
-            nbytes += used * rank * (rows + cols) * 2 + batch * (cols * 4 + rows * 8) + batch * 16
+            nbytes += int(used * rank * (rows + cols) * VALUE_BYTES[dtype]) + batch * (cols * 4 + rows * 8) + batch * 16
             flops += 2 * batch * rank * (rows + cols)
     info = {"build_s": build_s, "adapter_bytes": aset.resident_bytes, "layers": layers,
             "bank_calls": len(calls), "adapters": n_adapters}
-    return Built(impls, nbytes, flops, (ours_once, ref_once, TOL["bfloat16"]), info)
+    return Built(impls, nbytes, flops, (ours_once, ref_once, TOL[dtype]), info)

@@ -20,7 +20,7 @@ import numpy as np
 from ..machine import make_deltas_reader, make_reader
 from ..timing import Impl
 from .baselines import numpy_naive, numpy_tuned, torch_baseline
-from .core import TOL, Built, linear_model, lora_ref, make_delta, pair, rand, scale_of, torch_dtype
+from .core import TOL, VALUE_BYTES, Built, linear_model, lora_ref, make_delta, pair, rand, scale_of, torch_dtype
 
 LLAMA2_7B = (("q", 4096, 4096), ("k", 4096, 4096), ("v", 4096, 4096), ("o", 4096, 4096),
              ("gate", 11008, 4096), ("up", 11008, 4096), ("down", 4096, 11008))
@@ -34,14 +34,14 @@ def sweep_name(layers):
 
 
 def sweep_layer_bytes(rank, w):
-    """Adapter bytes of one layer of the sweep, A and B stored with itemsize w."""
-    return sum(rank * (rows + cols) * w for _, rows, cols in LLAMA2_7B)
+    """Adapter bytes of one layer of the sweep, A and B stored with w bytes per value."""
+    return int(sum(rank * (rows + cols) * w for _, rows, cols in LLAMA2_7B))
 
 
 def size_sweep(llc_bytes, mem_available, forced=None, quick=False, rank=SWEEP_RANK):
     """Layers of the model sweep, sized from the machine so that it measures DRAM.
 
-    Its half-precision adapters (the smallest of its three rows) are at least twice the
+    Its q8_0 adapters (the smallest of its rows: 34 bytes per 32 values) are at least twice the
     last-level cache, so a token finds none of them left in cache from the previous one; never
     fewer than the model's 32 layers.  Memory: the float32 row holds the source arrays, our
     copies, a read buffer of the same size, and the baselines' factors transposed once (NumPy's
@@ -52,7 +52,8 @@ def size_sweep(llc_bytes, mem_available, forced=None, quick=False, rank=SWEEP_RA
     `forced` (--sweep-layers) overrides the result.  Both are reported.
     """
     half, f32 = sweep_layer_bytes(rank, 2), sweep_layer_bytes(rank, 4)
-    wanted = max(LLAMA2_7B_LAYERS, math.ceil(2 * llc_bytes / half))
+    q8 = sweep_layer_bytes(rank, VALUE_BYTES["q8_0"])
+    wanted = max(LLAMA2_7B_LAYERS, math.ceil(2 * llc_bytes / q8))
     caps = {"memory": int(mem_available / 2 // (7 * f32)) if mem_available else None,
             "--quick": QUICK_SWEEP_F32_BYTES // f32 if quick else None}
     caps = {k: v for k, v in caps.items() if v is not None and v < wanted}
@@ -61,8 +62,9 @@ def size_sweep(llc_bytes, mem_available, forced=None, quick=False, rank=SWEEP_RA
     if forced:
         layers, cap_by = forced, "--sweep-layers"
     return layers, {"llc_bytes": llc_bytes, "layers_wanted": wanted, "capped_by": cap_by,
-                    "layers": layers, "adapter_bytes": {"float32": layers * f32, "half": layers * half},
-                    "half_over_llc": layers * half / llc_bytes}
+                    "layers": layers, "adapter_bytes": {"float32": layers * f32, "half": layers * half,
+                                                        "q8_0": layers * q8},
+                    "half_over_llc": layers * half / llc_bytes, "q8_0_over_llc": layers * q8 / llc_bytes}
 
 
 def sweep_pairs(ctx, layers, rank):
@@ -94,9 +96,8 @@ def build_sweep(ctx, layers, rank, dtype):
         for f, x, o in calls:
             f(x, o)
 
-    w = 4 if dtype == "float32" else 2
-    nbytes = layers * sweep_layer_bytes(rank, w)  # the factors only
-    flops = sum(linear_model(rows, cols, [rank], 1, w)[1] for rows, cols, _, _ in pairs)
+    nbytes = layers * sweep_layer_bytes(rank, VALUE_BYTES[dtype])  # the factors only
+    flops = sum(linear_model(rows, cols, [rank], 1, 4)[1] for rows, cols, _, _ in pairs)
     impls = {"ours": Impl(ours)}
     if ctx.dram_reader is not None:  # references, not baselines, measured alongside the sweep:
         impls["_dram_read"] = ctx.dram_reader  # DRAM read bandwidth right now (the target's)
@@ -109,7 +110,7 @@ def build_sweep(ctx, layers, rank, dtype):
         o_n, o_t = outs(), outs()
         impls["numpy_naive"] = numpy_naive([(a, b, s, xs[cols], o_n[rows]) for rows, cols, a, b in pairs])
         impls.update(numpy_tuned([(a, b, s, xs[cols], o_t[rows]) for rows, cols, a, b in pairs]))
-    if torch is not None:
+    if torch is not None and torch_dtype(torch, dtype) is not None:
         xt = {c: torch.from_numpy(v) for c, v in xs.items()}
         ot = {r: torch.from_numpy(v) for r, v in outs().items()}
         impls.update(torch_baseline(torch, [(a, b, s, xt[cols], ot[rows]) for rows, cols, a, b in pairs],
