@@ -310,15 +310,16 @@ static int group_size_(const lora_plan *p, int gather, int by_block, int nt, int
 
 int lora_run_plan(const lora_plan *p, int gather) {
     if (p->nblk == 0) return LORA_OK;
-    /* multiply-adds, to decide whether a team is worth waking, and the bytes a
-     * call reads: the largest entry's factors, x and out (a gather reads a few
-     * rows of B: not counted) */
+    /* multiply-adds (weighted by their formats' work), to decide whether a team
+     * is worth waking, and the bytes a call reads: the largest entry's
+     * factors, x and out (a gather reads a few rows of B: not counted) */
     int64_t work = 0, bytes = 0;
     for (int64_t e = 0; e < p->n_entries; e++) {
         int64_t per = 0, per_bytes = 0;
         for (int64_t q = p->first[e]; q < p->first[e + 1]; q++) {
             const lora_delta *d = p->deltas[q];
-            per += d->rank * (gather ? p->cols : p->rows + p->cols);
+            const int64_t a_work = p->cols * lora_format_work(d->a.fmt);
+            per += d->rank * (gather ? a_work : a_work + p->rows * lora_format_work(d->bt.fmt));
             per_bytes += d->rank * (lora_format_bytes(d->bt.fmt, p->rows) +
                                     lora_format_bytes(d->a.fmt, p->cols));
         }

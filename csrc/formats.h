@@ -73,8 +73,10 @@ static inline size_t lora_dtype_size(int dtype) {
 /* ------------------------------------------------------- the format registry
  * Every storage format of a delta's factors, once: its lora.h code, its short
  * name (the suffix of the entry points), its values per block, its bytes per
- * block (a block format's scale included) and the C type of one stored value;
- * X(A, code, name, block, block_bytes, value_type), A passed through.  Every
+ * block (a block format's scale included), the C type of one stored value and
+ * the work of one multiply-add on its values against float32's 1, for the team
+ * policy (below); X(A, code, name, block, block_bytes, value_type, work), A
+ * passed through.  Every
  * kernel table entry and switch over formats derives from this list; the
  * places that handle each format by hand (an ISA file's run loaders, delta.c's
  * packing) say LORA_FORMATS_HANDLED(n, where), so a new format stops the
@@ -82,20 +84,20 @@ static inline size_t lora_dtype_size(int dtype) {
  * An element format has block 1 and the code of its dtype (checked below),
  * which lets a kernel load x and a factor with one vocabulary. */
 #define LORA_FORMATS(X, A)                                                                      \
-    X(A, LORA_FMT_F32, f32, 1, 4, float)                                                       \
-    X(A, LORA_FMT_F16, f16, 1, 2, uint16_t)                                                    \
-    X(A, LORA_FMT_BF16, bf16, 1, 2, uint16_t)                                                  \
-    X(A, LORA_FMT_Q8_0, q8_0, 32, 34, int8_t)
+    X(A, LORA_FMT_F32, f32, 1, 4, float, 1)                                                    \
+    X(A, LORA_FMT_F16, f16, 1, 2, uint16_t, 1)                                                 \
+    X(A, LORA_FMT_BF16, bf16, 1, 2, uint16_t, 1)                                               \
+    X(A, LORA_FMT_Q8_0, q8_0, 32, 34, int8_t, 2)
 
 #define LORA_FORMATS_HANDLED(n, where) LORA_STATIC_ASSERT((n) == LORA_FMT_COUNT, where)
 
-#define LORA_FMT_POS_(A, CODE, NAME, BLOCK, BYTES, VALUE) lora_fmt_pos_##NAME##_,
+#define LORA_FMT_POS_(A, CODE, NAME, BLOCK, BYTES, VALUE, WORK) lora_fmt_pos_##NAME##_,
 enum { LORA_FORMATS(LORA_FMT_POS_, ) lora_fmt_listed_ };
 #undef LORA_FMT_POS_
 LORA_STATIC_ASSERT(lora_fmt_listed_ == LORA_FMT_COUNT, format_count_is_the_registry_length);
 /* the codes in order; the block divides 32 (the packed row length's unit); an element
  * format's block is its one value */
-#define LORA_FMT_CHECK_(A, CODE, NAME, BLOCK, BYTES, VALUE)                                     \
+#define LORA_FMT_CHECK_(A, CODE, NAME, BLOCK, BYTES, VALUE, WORK)                              \
     LORA_STATIC_ASSERT(CODE == lora_fmt_pos_##NAME##_, format_code_of_##NAME);                 \
     LORA_STATIC_ASSERT(32 % (BLOCK) == 0, format_block_divides_32_##NAME);                     \
     LORA_STATIC_ASSERT((BLOCK) > 1 || (BYTES) == sizeof(VALUE), format_element_size_##NAME);   \
@@ -112,7 +114,7 @@ static inline int lora_format_valid(int fmt) { return fmt >= 0 && fmt < LORA_FMT
 /* values per block (1 for an element format; 0 for a code that is not a format) */
 static inline int64_t lora_format_block(int fmt) {
     switch (fmt) {
-#define LORA_FMT_BLOCK_(A, CODE, NAME, BLOCK, BYTES, VALUE) case CODE: return BLOCK;
+#define LORA_FMT_BLOCK_(A, CODE, NAME, BLOCK, BYTES, VALUE, WORK) case CODE: return BLOCK;
     LORA_FORMATS(LORA_FMT_BLOCK_, )
 #undef LORA_FMT_BLOCK_
     }
@@ -122,18 +124,35 @@ static inline int64_t lora_format_block(int fmt) {
 /* bytes of one stored value (the values array; a block format's scales apart) */
 static inline size_t lora_format_value_size(int fmt) {
     switch (fmt) {
-#define LORA_FMT_VALUE_(A, CODE, NAME, BLOCK, BYTES, VALUE) case CODE: return sizeof(VALUE);
+#define LORA_FMT_VALUE_(A, CODE, NAME, BLOCK, BYTES, VALUE, WORK) case CODE: return sizeof(VALUE);
     LORA_FORMATS(LORA_FMT_VALUE_, )
 #undef LORA_FMT_VALUE_
     }
     return 0;
 }
 
+/* The team policy's weight of one multiply-add on a format's values, float32's
+ * being 1 (team.c's floors are measured on float32 and bfloat16, whose hot
+ * loops are one load or shuffle and one FMA a vector).  Q8_0 pays vpmovsxbd,
+ * vcvtdq2ps and vmulps before its FMA: on a 2-vCPU Intel Xeon (Sapphire
+ * Rapids class) a hot 4096 x 4096 rank-16 decode took 1.62x the bfloat16
+ * time on one thread, and two threads cut it to 0.78-0.82x of that one thread's
+ * time, where bfloat16's gained nothing (medians of 7 windows); weight 2
+ * opens the team for it there.  Threads never change the bits. */
+static inline int64_t lora_format_work(int fmt) {
+    switch (fmt) {
+#define LORA_FMT_WORK_(A, CODE, NAME, BLOCK, BYTES, VALUE, WORK) case CODE: return WORK;
+    LORA_FORMATS(LORA_FMT_WORK_, )
+#undef LORA_FMT_WORK_
+    }
+    return 1;
+}
+
 /* the logical bytes of n values (a row) in a format: whole blocks, a short last block
  * counted as a block of its values and its scale */
 static inline int64_t lora_format_bytes(int fmt, int64_t n) {
     switch (fmt) {
-#define LORA_FMT_BYTES_(A, CODE, NAME, BLOCK, BYTES, VALUE)                                     \
+#define LORA_FMT_BYTES_(A, CODE, NAME, BLOCK, BYTES, VALUE, WORK)                              \
     case CODE: return (BLOCK) == 1 ? n * (BYTES) : n * (int64_t)sizeof(VALUE) + 2 * ((n + (BLOCK) - 1) / (BLOCK));
     LORA_FORMATS(LORA_FMT_BYTES_, )
 #undef LORA_FMT_BYTES_

@@ -228,13 +228,13 @@ extern const lora_kernel_table lora_kernels_neon;
  * case a project_ compiled for its (format, x dtype) pair. */
 #define LORA_PROJECT_CASE_(FMT, XT, XNAME, XBYTES, XBITS)                                       \
     case XT: project_(a, lda, cols, k0, k1, nb, xs, t, ldt, FMT, XT); break;
-#define LORA_PROJECT_FN_(ISA, FMT, NAME, BLOCK, BYTES, VALUE)                                   \
+#define LORA_PROJECT_FN_(ISA, FMT, NAME, BLOCK, BYTES, VALUE, WORK)                             \
     static void lora_project_##NAME##_##ISA(lora_run a, int64_t lda, int64_t cols, int64_t k0, \
                                             int64_t k1, int nb, const void *const *xs, int xt, \
                                             float *t, int64_t ldt) {                           \
         lora_project_x_##ISA(a, lda, cols, k0, k1, nb, xs, xt, t, ldt, FMT);                   \
     }
-#define LORA_LOAD_FN_(ISA, FMT, NAME, BLOCK, BYTES, VALUE)                                      \
+#define LORA_LOAD_FN_(ISA, FMT, NAME, BLOCK, BYTES, VALUE, WORK)                                \
     static void lora_load_##NAME##_##ISA(lora_run r, int64_t e, int64_t n, float *dst) {       \
         if (FMT == LORA_FMT_F32) memcpy(dst, (const float *)r.v + e, (size_t)n * sizeof(float)); \
         else load_run_(r, e, n, dst, FMT);                                                     \
@@ -258,8 +258,8 @@ extern const lora_kernel_table lora_kernels_neon;
         else narrow_(src, n, dst, OT);                                                         \
     }
 /* designated initializers of the tables: [code] = lora_<family>_<name>_<isa> */
-#define LORA_PROJECT_AT_(ISA, CODE, NAME, BLOCK, BYTES, VALUE) [CODE] = lora_project_##NAME##_##ISA,
-#define LORA_LOAD_AT_(ISA, CODE, NAME, BLOCK, BYTES, VALUE) [CODE] = lora_load_##NAME##_##ISA,
+#define LORA_PROJECT_AT_(ISA, CODE, NAME, BLOCK, BYTES, VALUE, WORK) [CODE] = lora_project_##NAME##_##ISA,
+#define LORA_LOAD_AT_(ISA, CODE, NAME, BLOCK, BYTES, VALUE, WORK) [CODE] = lora_load_##NAME##_##ISA,
 #define LORA_ACCUMULATE_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_accumulate_##NAME##_##ISA,
 #define LORA_WIDEN_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_widen_##NAME##_##ISA,
 #define LORA_NARROW_AT_(ISA, CODE, NAME, BYTES, BITS) [CODE] = lora_narrow_##NAME##_##ISA,

@@ -17,7 +17,7 @@
 /* every term of a stack, in order, into the float32 outputs [i0, i1) */
 /* one case per storage format of the registry; a term's format was checked
  * when its delta was made (lora_delta_new / lora_delta_view) */
-#define STRIP_TERM_CASE_(FN, FMT, NAME, BLOCK, BYTES, VALUE)                                   \
+#define STRIP_TERM_CASE_(FN, FMT, NAME, BLOCK, BYTES, VALUE, WORK)                             \
     case FMT: FN(&terms[q], i0, i1, nb, outs, obase, FMT); break;
 INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
                     float *const *outs, int64_t obase) {

@@ -143,7 +143,7 @@ static char g_what[256];
 
 #define DT_NAME_(A, CODE, NAME, BYTES, BITS) [CODE] = #NAME,
 static const char *DT[LORA_DTYPE_COUNT] = {LORA_DTYPES(DT_NAME_, )};
-#define FMT_NAME_(A, CODE, NAME, BLOCK, BYTES, VALUE) [CODE] = #NAME,
+#define FMT_NAME_(A, CODE, NAME, BLOCK, BYTES, VALUE, WORK) [CODE] = #NAME,
 static const char *FMT[LORA_FMT_COUNT] = {LORA_FORMATS(FMT_NAME_, )};
 static const char *ISA_NAME[LORA_ISA_COUNT] = {[LORA_ISA_SCALAR] = "scalar", [LORA_ISA_AVX2] = "avx2",
                                                [LORA_ISA_AVX512] = "avx512", [LORA_ISA_NEON] = "neon"};
