@@ -30,8 +30,8 @@
 # architecture for apt (to download arm64 .deb files, which are unpacked, never installed), and
 # PyPI wheels for aarch64 (pip --platform, into a directory).  The sysroot is cached in
 # $LORA_NEON_CACHE (default ~/.cache/lora-neon), keyed by the package lists below.
-# NEON_KEEP=1 keeps the work directory.  Takes about 4 minutes on 2 cores with the sysroot
-# cached (pytest under emulation: ~2.5 min), about 1 minute more to build the cache.
+# NEON_KEEP=1 keeps the work directory.  Takes about 8 minutes on 2 quiet cores with the sysroot
+# cached (pytest under emulation: ~7 min), about 1 minute more to build the cache.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -164,8 +164,13 @@ log "LORA_ISA=scalar lowers to scalar; LORA_ISA=avx2 warns and keeps neon"
 SUBSET=(tests/test_guarantees.py tests/test_bank.py tests/test_half.py tests/test_threads.py
         tests/test_contract.py tests/test_delta.py tests/test_views.py tests/test_activations.py
         tests/test_golden_bits.py tests/test_experts.py tests/test_dora.py tests/test_q8_0.py)
-# test_activations.py: its merges only (they widen and narrow w through the NEON table)
+# test_activations.py: its merges only (they widen and narrow w through the NEON table).
+# Left out for time (each 20-60 s under emulation): the half-precision storages' two longest
+# accuracy rows (their float32 twin and the 14336 row stay; the NEON half loads are the same at
+# every length), and the grouped-block bits on the scalar path (the same C as natively, where
+# the README stage runs it; check_kernels above runs the aarch64 scalar path).
 K='not lora_isa_env and not subprocess and not bad_inputs and not omp_thread_limit and (neon or not test_delta.py) and (merge or not test_activations.py)'
+K+=' and not (test_accuracy_long_rows and float16 and (100003 or 28672)) and not (grouped_blocks_keep_the_bits and scalar)'
 log "pytest under qemu-aarch64: ${SUBSET[*]} -k '$K'"
 (cd "$SRC" && "${qenv[@]}" "$PYQ" -m pytest -q -p no:cacheprovider -o addopts="-ra" \
     "${SUBSET[@]}" -k "$K") || fail "pytest under qemu-aarch64"
