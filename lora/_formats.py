@@ -12,10 +12,15 @@ A delta's ``dtype`` is its factors' format name (``"q8_0/float16"`` when they di
 Every Python map of formats derives from `ALL`.
 """
 
+import contextlib
+import contextvars
+import warnings
+
 import numpy as np
 
 from . import _dtypes as dtypes
 from ._lora_cffi import lib
+from ._runtime import _user_stacklevel
 
 __all__ = ["Format", "Stored", "Q8_0", "ALL", "BY_NAME", "NAMES", "QUOTED", "format_name", "pair_names",
            "pair_name"]
@@ -132,14 +137,19 @@ class _Q8_0(Format):
         # llama.cpp's arithmetic, in float32: the values, d, 1 / d and x * (1 / d)
         x32 = blocks.astype(np.float32)
         d = (amax.astype(np.float32) / np.float32(127)).astype(np.float32)
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
             inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-        prod = (x32 * inv[..., None]).astype(np.float64)       # exact in float64
+            prod = (x32 * inv[..., None]).astype(np.float64)   # exact in float64
+        # a block of float32 subnormals: 1 / d is inf (llama.cpp's q is then undefined); its
+        # float16 scale is 0 whatever q is, so q = 0
+        prod[~np.isfinite(prod)] = 0
         # roundf: to nearest, ties away from zero (NumPy's rint rounds ties to even)
         trunc = np.trunc(prod)
         q = np.where(np.abs(prod - trunc) >= 0.5, trunc + np.sign(prod), trunc).astype(np.int8)
+        d16 = d.astype("<f2")
+        _warn_if_lost(what, blocks, q * d16.astype(np.float64)[..., None], amax)
         out = np.empty((*lead, nblk, 34), np.uint8)
-        out[..., :2] = d.astype("<f2")[..., None].view(np.uint8)
+        out[..., :2] = d16[..., None].view(np.uint8)
         out[..., 2:] = q.view(np.uint8)
         return np.ascontiguousarray(out.reshape(*lead, nblk * 34))
 
@@ -151,6 +161,48 @@ class _Q8_0(Format):
         q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
         values = (q * d[..., None]).reshape(*lead, (nb // 34) * 32)   # d * q: exact in float32
         return values if n is None else np.ascontiguousarray(values[..., :n])
+
+
+# Past this relative error of a factor's stored values, quantizing warns: Q8_0's own rounding
+# keeps a factor of Gaussian values within about 0.6 %; a factor whose block scales are deep
+# among float16's subnormals (values near 3e-5 and below) loses more, up to all of a block.
+Q8_0_WARN_ERROR = 0.02
+
+
+_LOSSES = contextvars.ContextVar("lora_q8_0_losses", default=None)
+
+
+@contextlib.contextmanager
+def collect_losses():
+    """Within it, a q8_0 quantization past Q8_0_WARN_ERROR appends ``(what, error, blocks
+    zeroed)`` to the list it yields instead of warning, so a loader names its modules in one
+    warning (per context: threads and tasks collect their own)."""
+    token = _LOSSES.set([])
+    try:
+        yield _LOSSES.get()
+    finally:
+        _LOSSES.reset(token)
+
+
+def _warn_if_lost(what, blocks, stored, amax):
+    """A RuntimeWarning when a factor's stored values (`stored`, blocks as `blocks`: [..., 32]
+    float64, zero-padded) are off its values by more than Q8_0_WARN_ERROR relative to the
+    whole factor, naming the factor and what to do."""
+    norm = float(np.linalg.norm(blocks))
+    if norm == 0 or float(np.linalg.norm(stored - blocks)) <= Q8_0_WARN_ERROR * norm:
+        return
+    err = float(np.linalg.norm(stored - blocks)) / norm
+    zeroed = int(np.count_nonzero((amax > 0) & ~stored.any(axis=-1)))
+    sink = _LOSSES.get()
+    if sink is not None:
+        sink.append((what, err, zeroed))
+        return
+    warnings.warn(f"{what}: stored as q8_0, its values are {err:.1%} off (relative error; largest magnitude "
+                  f"{float(amax.max()):.2g}: below 127 x 2^-14 = 7.75e-3 a block's float16 scale "
+                  f"is subnormal and coarse, below about 4e-6 it is 0)"
+                  + (f"; {zeroed} nonzero block(s) became all zero" if zeroed else "")
+                  + "; store this factor as 'float16' or 'bfloat16' instead",
+                  RuntimeWarning, stacklevel=_user_stacklevel() or 1)
 
 
 Q8_0 = _Q8_0("q8_0", lib.LORA_FMT_Q8_0, 32, 34)

@@ -36,7 +36,9 @@ class LoraScale:
     def set(self, value):
         """Set the scale; raises ``TypeError`` for a non-real value, ``ValueError`` for one that is
         not finite in float32 (nothing changes then)."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        if (isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+                or not isinstance(value, (int, float)) and not hasattr(value, "__float__")):
+            # a bool (Python's, NumPy's np.bool_ or a 0-d bool array or tensor) is not a scale
             raise TypeError(f"LoraScale value must be a real number, got {type(value).__name__}")
         try:
             v = float(value)

@@ -507,6 +507,22 @@ def test_non_finite_alpha_and_scale_refused():
         assert s.value == 0.5 and s.get() == 0.5
 
 
+@pytest.mark.parametrize("bad", [True, np.bool_(False), np.array(True)], ids=["bool", "np.bool_", "0-d bool"])
+def test_a_bool_is_not_a_scale_in_any_spelling(bad):
+    """Python's bool, NumPy's np.bool_ and a 0-d bool array all have __float__; none is a
+    scale (a bool where a number belongs is a mistake, as for ids)."""
+    with pytest.raises(TypeError, match="real number"):
+        lora.LoraScale(bad)
+    s = lora.LoraScale(0.5)
+    with pytest.raises(TypeError, match="real number"):
+        s.set(bad)
+    assert s.value == 0.5
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="real number"):
+        lora.LoraScale(torch.tensor(True))
+    assert lora.LoraScale(np.float32(2)).value == 2.0 and lora.LoraScale(np.array(3.0)).value == 3.0
+
+
 @pytest.mark.parametrize("bad", [1e39, -1e39, 3.5e38, 2.0 ** 128, 10 ** 39])
 def test_scale_past_float32_range_refused_where_it_is_set(bad):
     """Finite as a Python float but inf in float32, the precision every call computes in: refused

@@ -20,6 +20,7 @@ What this file pins:
 
 import copy
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -148,6 +149,66 @@ def test_a_block_whose_scale_overflows_float16_is_refused_naming_the_factor():
     with pytest.raises(ValueError, match="non-finite"):
         lora.LoraDelta(np.full((2, 40), np.nan), np.ones((3, 2)), dtype="q8_0")
     lora.LoraDelta(np.full((2, 40), 65504.0 * 127), np.ones((3, 2)), dtype="q8_0")  # the edge
+
+
+def _recorded(make):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = make()
+    return result, [str(w.message) for w in seen]
+
+
+def test_a_factor_quantization_loses_warns_naming_it():
+    """Q8_0 keeps Gaussian factors within ~0.6 %; values near 3e-5 get coarse subnormal float16
+    scales and values below ~4e-6 a scale of 0: past 2 % of the factor, a RuntimeWarning names
+    the factor and the blocks it zeroed."""
+    rng = np.random.default_rng(3)
+    for scale in (1.0, 1e-2, 1e-4):   # normal, small, subnormal-but-fine: silent
+        _, seen = _recorded(lambda: lora.LoraDelta(rng.standard_normal((8, 256)) * scale,
+                                                   rng.standard_normal((64, 8)) * scale,
+                                                   dtype="q8_0"))
+        assert seen == [], (scale, seen)
+    d, seen = _recorded(lambda: lora.LoraDelta(np.full((4, 64), 1e-3), np.full((64, 4), 1e-6),
+                                               dtype="q8_0"))
+    assert len(seen) == 1 and seen[0].startswith("lora_b: stored as q8_0, its values are 100.0% off")
+    assert "8 nonzero block(s) became all zero" in seen[0] and "'bfloat16'" in seen[0]
+    assert not d.lora_weights()[1].any()
+    _, seen = _recorded(lambda: lora.LoraDelta(rng.standard_normal((8, 256)) * 1e-5,
+                                               np.ones((64, 8)), dtype="q8_0"))
+    assert len(seen) == 1 and seen[0].startswith("lora_a:") and "became all zero" not in seen[0]
+    with pytest.warns(RuntimeWarning, match="lora_a") as caught:   # at the caller's line
+        lora.LoraDelta(np.full((4, 64), 1e-6), np.ones((64, 4)), dtype="q8_0")
+    assert caught[0].filename == __file__
+
+
+def test_a_block_of_float32_subnormals_quantizes_without_numpy_warnings():
+    """1 / d overflows for a block of float32 subnormals: its float16 scale is 0 and q is 0,
+    with the one warning above and none of NumPy's on the way."""
+    a = np.full((1, 32), 1e-40)
+    a[0, -1] = 1e-38
+    d, seen = _recorded(lambda: lora.LoraDelta(a, np.ones((8, 1)), dtype="q8_0"))
+    assert len(seen) == 1 and seen[0].startswith("lora_a: stored as q8_0"), seen
+    assert d._stored_bits()[0].tobytes() == bytes(34)
+
+
+def test_a_loader_names_every_lost_factor_in_one_warning(tmp_path):
+    rng = np.random.default_rng(21)
+    tensors = {}
+    for i in range(5):
+        tensors.update(af.linear_pair(rng, f"model.layers.{i}.self_attn.q_proj", 64, 64, 8))
+        tensors[f"{af.PREFIX}model.layers.{i}.self_attn.q_proj.lora_B.weight"] *= 1e-6
+    tensors.update(af.linear_pair(rng, "model.layers.0.mlp.up_proj", 64, 64, 8))
+    path = af.write_peft(tmp_path / "peft", tensors,
+                         af.peft_config(r=8, lora_alpha=16, target_modules=["q_proj", "up_proj"]))
+    with pytest.warns(RuntimeWarning) as caught:
+        lora.load_peft(path, dtype="q8_0")
+    lost = [str(w.message) for w in caught if "q8_0" in str(w.message)]
+    assert len(lost) == 1 and "5 factor(s) are more than 2% off" in lost[0], lost
+    assert "model.layers.0.self_attn.q_proj.lora_b 100.0%" in lost[0] and "2 more" in lost[0]
+    assert "up_proj" not in lost[0]
+    assert caught[0].filename == __file__
+    _, seen = _recorded(lambda: lora.load_peft(path, dtype="bfloat16"))
+    assert seen == []
 
 
 # ------------------------------------------------------------------ the same bits as float32

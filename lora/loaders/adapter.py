@@ -416,6 +416,45 @@ def check_finite(path, tensor, arr):
         raise format_error(path, f"holds {bad} non-finite value(s) (inf or NaN)", tensor=tensor)
 
 
+def _build_one(p, path, scale, dtype, deltas, zeroed):
+    """One validated `Pair` into ``deltas`` (its name into ``zeroed`` under PEFT's alpha-0 rule)."""
+    storage = dtype or p.storage
+    try:
+        # Overflow into a narrower storage dtype is refused below (the core raises
+        # ValueError); NumPy's cast warning on the way there would only repeat it.
+        with np.errstate(over="ignore"):
+            if p.a.ndim == 3:  # routed experts: a [E, rank, cols], b [E, rows, rank]
+                make = LoraExperts._of if isinstance(p.a, formats.Stored) else LoraExperts
+                delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                             dtype=storage)
+                if p.zero_alpha and delta.alpha == 0:
+                    delta._zero_alpha()
+            elif isinstance(p.a, formats.Stored):  # a file's blocks, kept as they are
+                delta = LoraDelta._of(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                                      dtype=storage)
+            else:
+                make = peft_delta if p.zero_alpha else LoraDelta
+                delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
+                             dtype=storage)
+    except NotImplementedError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise format_error(path, f"cannot be stored as {storage}: {exc}", pair=p.tensors) from exc
+    if p.dora is not None:
+        magnitude, base, embedding, mag_key = p.dora
+        try:
+            delta = DoraDelta._over(delta, magnitude, base, embedding)
+        except (ValueError, TypeError) as exc:
+            raise format_error(path, f"DoRA module '{p.name}': {exc}", tensor=mag_key) from exc
+    if not abs(delta.effective_scale) < F32_OVERFLOW:
+        raise format_error(path, f"alpha {p.alpha:g} at rank {delta.rank} gives the effective "
+                                 f"scale {delta.effective_scale:g} (scale x alpha factor), "
+                                 f"which is not finite in float32", pair=p.tensors)
+    if p.zero_alpha:
+        zeroed.append(p.name)
+    deltas[p.name] = delta
+
+
 def build_adapter(pairs, *, path, name, alpha, scale, dtype, invocation_tokens=None):
     """Phase two: copy validated `Pair`s into `LoraDelta` storage, all sharing ``scale``, and
     return the `LoraAdapter`; nothing is returned on error.  ``dtype`` None keeps each pair's
@@ -423,43 +462,20 @@ def build_adapter(pairs, *, path, name, alpha, scale, dtype, invocation_tokens=N
     `lora.delta.peft_delta`), with one ``UserWarning`` naming them.  ``invocation_tokens``: the
     activated LoRA's validated sequence, or None."""
     deltas = {}
-    zeroed = []
-    for p in pairs:
-        storage = dtype or p.storage
-        try:
-            # Overflow into a narrower storage dtype is refused below (the core raises
-            # ValueError); NumPy's cast warning on the way there would only repeat it.
-            with np.errstate(over="ignore"):
-                if p.a.ndim == 3:  # routed experts: a [E, rank, cols], b [E, rows, rank]
-                    make = LoraExperts._of if isinstance(p.a, formats.Stored) else LoraExperts
-                    delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
-                                 dtype=storage)
-                    if p.zero_alpha and delta.alpha == 0:
-                        delta._zero_alpha()
-                elif isinstance(p.a, formats.Stored):  # a file's blocks, kept as they are
-                    delta = LoraDelta._of(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
-                                          dtype=storage)
-                else:
-                    make = peft_delta if p.zero_alpha else LoraDelta
-                    delta = make(p.a, p.b, alpha=p.alpha, scale=scale, rslora=p.rslora,
-                                 dtype=storage)
-        except NotImplementedError:
-            raise
-        except (ValueError, TypeError) as exc:
-            raise format_error(path, f"cannot be stored as {storage}: {exc}", pair=p.tensors) from exc
-        if p.dora is not None:
-            magnitude, base, embedding, mag_key = p.dora
-            try:
-                delta = DoraDelta._over(delta, magnitude, base, embedding)
-            except (ValueError, TypeError) as exc:
-                raise format_error(path, f"DoRA module '{p.name}': {exc}", tensor=mag_key) from exc
-        if not abs(delta.effective_scale) < F32_OVERFLOW:
-            raise format_error(path, f"alpha {p.alpha:g} at rank {delta.rank} gives the effective "
-                                     f"scale {delta.effective_scale:g} (scale x alpha factor), "
-                                     f"which is not finite in float32", pair=p.tensors)
-        if p.zero_alpha:
-            zeroed.append(p.name)
-        deltas[p.name] = delta
+    zeroed, lost = [], []
+    with formats.collect_losses() as losses:
+        for p in pairs:
+            _build_one(p, path, scale, dtype, deltas, zeroed)
+            lost += [f"{p.name}.{what} {err:.1%}" + (f" ({n} block(s) all zero)" if n else "")
+                     for what, err, n in losses]
+            losses.clear()
+    if lost:
+        shown = ", ".join(lost[:3]) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
+        warnings.warn(f"{os.fspath(path)}: stored as q8_0, {len(lost)} factor(s) are more than "
+                      f"{formats.Q8_0_WARN_ERROR:.0%} off their values ({shown}): values this "
+                      "small get a subnormal float16 block scale (below 7.75e-3; 0 below about "
+                      "4e-6); load with dtype='bfloat16' or 'float16' to keep them",
+                      RuntimeWarning, stacklevel=3)
     if zeroed:
         shown = ", ".join(zeroed[:3]) + (f" and {len(zeroed) - 3} more" if len(zeroed) > 3 else "")
         warnings.warn(f"{os.fspath(path)}: alpha is 0 for {len(zeroed)} module(s) ({shown}): "
