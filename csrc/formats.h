@@ -138,7 +138,9 @@ static inline size_t lora_format_value_size(int fmt) {
  * Rapids class) a hot 4096 x 4096 rank-16 decode took 1.62x the bfloat16
  * time on one thread, and two threads cut it to 0.78-0.82x of that one thread's
  * time, where bfloat16's gained nothing (medians of 7 windows); weight 2
- * opens the team for it there.  Threads never change the bits. */
+ * opens the team for it there.  On another VM of the same model neither
+ * gained (1.02x: a team's wake and barrier cost what the split saves), and
+ * the judge below backs the team off.  Threads never change the bits. */
 static inline int64_t lora_format_work(int fmt) {
     switch (fmt) {
 #define LORA_FMT_WORK_(A, CODE, NAME, BLOCK, BYTES, VALUE, WORK) case CODE: return WORK;
