@@ -443,6 +443,19 @@ INLINE_ void term_tile_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t i,
  * after).  kn is a constant where it can be (term_block_any_avx512_), so each M
  * load is its own instruction stepping one line a vector, which the
  * hardware prefetchers follow. */
+/* A finished chain of 16 outputs from output i: into the strip of totals (set at k0 = 0,
+ * added to after) when there is one, else out = fma(chain, s, out) under mask */
+INLINE_ void term_put_avx512_(__m512 acc_f32x16, int64_t i, int64_t i_start, int64_t k0, float *total,
+                              float *out, int64_t obase, __m512 s_f32x16, __mmask16 mask) {
+    if (total) {
+        float *t = total + (i - i_start);
+        _mm512_store_ps(t, k0 == 0 ? acc_f32x16 : _mm512_add_ps(_mm512_load_ps(t), acc_f32x16));
+        return;
+    }
+    float *o = out + (i - obase);
+    _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(acc_f32x16, s_f32x16, _mm512_maskz_loadu_ps(mask, o)));
+}
+
 INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int kn, int64_t i,
                            int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
                            int64_t obase, float *total, const int f) {
@@ -474,6 +487,24 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
             _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(hi_f32x16, s_f32x16, _mm512_loadu_ps(o + 16)));
         }
     }
+    if (f == LORA_FMT_Q8_0) {
+        /* two vectors a step, two independent chains (each output's chain unchanged): with
+         * Q8_0's four-uop widening, one chain of kn FMAs per 16 outputs kept too few
+         * widenings in flight to fill the ports behind the FMA latency */
+        for (; i + 32 <= i1; i += 32) {
+            __m512 lo_f32x16 = _mm512_setzero_ps(), hi_f32x16 = _mm512_setzero_ps();
+            const int64_t dlo = (i - ib) >> 5, dhi = (i + 16 - ib) >> 5;
+            for (int k = 0; k < kn; k++) {
+                const int8_t *q = (const int8_t *)m.v + (k0 + k) * ldm + i;
+                lo_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q, _mm512_set1_ps(d_f32[k][dlo])), u_f32x16[k],
+                                            lo_f32x16);
+                hi_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q + 16, _mm512_set1_ps(d_f32[k][dhi])),
+                                            u_f32x16[k], hi_f32x16);
+            }
+            term_put_avx512_(lo_f32x16, i, i_start, k0, total, out, obase, s_f32x16, (__mmask16)0xffff);
+            term_put_avx512_(hi_f32x16, i + 16, i_start, k0, total, out, obase, s_f32x16, (__mmask16)0xffff);
+        }
+    }
     for (; i < i1; i += 16) {
         const int full = i + 16 <= i1;
         const __mmask16 mask = full ? (__mmask16)0xffff : tail_mask_(i1 - i);
@@ -486,13 +517,7 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
                 : run_f32x16_(m, e, f);
             acc_f32x16 = _mm512_fmadd_ps(m_f32x16, u_f32x16[k], acc_f32x16);
         }
-        if (total) {
-            float *t = total + (i - i_start);
-            _mm512_store_ps(t, k0 == 0 ? acc_f32x16 : _mm512_add_ps(_mm512_load_ps(t), acc_f32x16));
-            continue;
-        }
-        float *o = out + (i - obase);
-        _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(acc_f32x16, s_f32x16, _mm512_maskz_loadu_ps(mask, o)));
+        term_put_avx512_(acc_f32x16, i, i_start, k0, total, out, obase, s_f32x16, mask);
     }
 }
 
