@@ -197,9 +197,9 @@ def _warn_if_lost(what, blocks, stored, amax):
     if sink is not None:
         sink.append((what, err, zeroed))
         return
-    warnings.warn(f"{what}: stored as q8_0, its values are {err:.1%} off (relative error; largest magnitude "
-                  f"{float(amax.max()):.2g}: below 127 x 2^-14 = 7.75e-3 a block's float16 scale "
-                  f"is subnormal and coarse, below about 4e-6 it is 0)"
+    warnings.warn(f"{what}: stored as q8_0, its values are {err:.1%} off (relative error; "
+                  f"largest magnitude {float(amax.max()):.2g}: below 127 x 2^-14 = 7.75e-3 a "
+                  f"block's float16 scale is subnormal and coarse, below about 4e-6 it is 0)"
                   + (f"; {zeroed} nonzero block(s) became all zero" if zeroed else "")
                   + "; store this factor as 'float16' or 'bfloat16' instead",
                   RuntimeWarning, stacklevel=_user_stacklevel() or 1)

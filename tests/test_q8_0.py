@@ -170,7 +170,8 @@ def test_a_factor_quantization_loses_warns_naming_it():
         assert seen == [], (scale, seen)
     d, seen = _recorded(lambda: lora.LoraDelta(np.full((4, 64), 1e-3), np.full((64, 4), 1e-6),
                                                dtype="q8_0"))
-    assert len(seen) == 1 and seen[0].startswith("lora_b: stored as q8_0, its values are 100.0% off")
+    assert len(seen) == 1
+    assert seen[0].startswith("lora_b: stored as q8_0, its values are 100.0% off")
     assert "8 nonzero block(s) became all zero" in seen[0] and "'bfloat16'" in seen[0]
     assert not d.lora_weights()[1].any()
     _, seen = _recorded(lambda: lora.LoraDelta(rng.standard_normal((8, 256)) * 1e-5,
