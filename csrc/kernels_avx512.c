@@ -434,15 +434,6 @@ INLINE_ void term_tile_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t i,
     }
 }
 
-/* A decode's outputs [i, i1) (output i at out[i - obase]) from one rank
- * block of kn ranks of M starting at row k0 (u_f32x16: the block's u
- * broadcast): each vector of 16 outputs (32 for a bfloat16 M, its even and
- * odd lanes as in term_tile_avx512_) takes its whole chain before the next.  With
- * `total` NULL the block is the whole rank and out = fma(chain, s, out);
- * otherwise the chain goes to total[] (out's strip: set at k0 = 0, added to
- * after).  kn is a constant where it can be (term_block_any_avx512_), so each M
- * load is its own instruction stepping one line a vector, which the
- * hardware prefetchers follow. */
 /* A finished chain of 16 outputs from output i: into the strip of totals (set at k0 = 0,
  * added to after) when there is one, else out = fma(chain, s, out) under mask */
 INLINE_ void term_put_avx512_(__m512 acc_f32x16, int64_t i, int64_t i_start, int64_t k0, float *total,
@@ -456,6 +447,16 @@ INLINE_ void term_put_avx512_(__m512 acc_f32x16, int64_t i, int64_t i_start, int
     _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(acc_f32x16, s_f32x16, _mm512_maskz_loadu_ps(mask, o)));
 }
 
+/* A decode's outputs [i, i1) (output i at out[i - obase]) from one rank
+ * block of kn ranks of M starting at row k0 (u_f32x16: the block's u
+ * broadcast): each vector of 16 outputs (32 for a bfloat16 M, its even and
+ * odd lanes as in term_tile_avx512_; 32 for a Q8_0 M, two vectors' chains side
+ * by side) takes its whole chain before the next.  With
+ * `total` NULL the block is the whole rank and out = fma(chain, s, out);
+ * otherwise the chain goes to total[] (out's strip: set at k0 = 0, added to
+ * after).  kn is a constant where it can be (term_block_any_avx512_), so each M
+ * load is its own instruction stepping one line a vector, which the
+ * hardware prefetchers follow. */
 INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int kn, int64_t i,
                            int64_t i1, const __m512 *u_f32x16, __m512 s_f32x16, float *out,
                            int64_t obase, float *total, const int f) {
