@@ -508,7 +508,7 @@ def test_non_finite_alpha_and_scale_refused():
 
 
 @pytest.mark.parametrize("bad", [True, np.bool_(False), np.array(True)],
-                         ids=["bool", "np.bool_", "0-d bool"])
+                         ids=["bool", "np.bool_", "0d-bool-array"])
 def test_a_bool_is_not_a_scale_in_any_spelling(bad):
     """Python's bool, NumPy's np.bool_ and a 0-d bool array all have __float__; none is a
     scale (a bool where a number belongs is a mistake, as for ids)."""
