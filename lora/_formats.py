@@ -189,9 +189,11 @@ def _warn_if_lost(what, blocks, stored, amax):
     float64, zero-padded) are off its values by more than Q8_0_WARN_ERROR relative to the
     whole factor, naming the factor and what to do."""
     norm = float(np.linalg.norm(blocks))
-    if norm == 0 or float(np.linalg.norm(stored - blocks)) <= Q8_0_WARN_ERROR * norm:
+    if norm == 0:
         return
     err = float(np.linalg.norm(stored - blocks)) / norm
+    if err <= Q8_0_WARN_ERROR:
+        return
     zeroed = int(np.count_nonzero((amax > 0) & ~stored.any(axis=-1)))
     sink = _LOSSES.get()
     if sink is not None:
