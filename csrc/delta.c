@@ -58,8 +58,9 @@ static int alloc_factor_(lora_factor *f, int fmt, int64_t n, int64_t len) {
     f->ld = packed_ld_(len, isz);
     f->v = lora_aligned_alloc((size_t)(n * f->ld) * isz);
     if (!f->v) return LORA_ERR_NOMEM;
-    memset(f->v, 0, (size_t)(n * f->ld) * isz);
     const int64_t block = lora_format_block(fmt);
+    /* value 0: a Q8_0 value is kept biased (formats.h), so its zero is the byte 0x80 */
+    memset(f->v, fmt == LORA_FMT_Q8_0 ? LORA_Q8_0_BIAS : 0, (size_t)(n * f->ld) * isz);
     if (block > 1) { /* a block format's scales, ld / block a row; the padding's are 0 */
         const size_t nd = (size_t)(n * (f->ld / block));
         f->d = (uint16_t *)lora_aligned_alloc(nd * sizeof(uint16_t));
@@ -70,7 +71,8 @@ static int alloc_factor_(lora_factor *f, int fmt, int64_t n, int64_t len) {
 }
 
 /* Q8_0 blocks: row r of src (ceil(len / 32) blocks of 34 bytes) into the factor's row r,
- * its values in v, its scales in d; a short last block's values past len stay 0 */
+ * its values biased in v (q ^ 0x80: formats.h), its scales in d; a short last block's values
+ * past len stay 0 */
 static void pack_q8_0_(lora_factor *f, int64_t n, int64_t len, const void *src) {
     const int64_t nblk = (len + 31) / 32, dper = f->ld / 32;
     const unsigned char *sp = (const unsigned char *)src;
@@ -79,7 +81,8 @@ static void pack_q8_0_(lora_factor *f, int64_t n, int64_t len, const void *src) 
             const unsigned char *blk = sp + (size_t)((r * nblk + k) * Q8_0_BLOCK_BYTES);
             const int64_t m = len - 32 * k < 32 ? len - 32 * k : 32;
             f->d[r * dper + k] = (uint16_t)(blk[0] | (unsigned)blk[1] << 8);
-            memcpy((int8_t *)f->v + r * f->ld + 32 * k, blk + 2, (size_t)m);
+            uint8_t *v = (uint8_t *)f->v + r * f->ld + 32 * k;
+            for (int64_t l = 0; l < m; l++) v[l] = (uint8_t)(blk[2 + l] ^ LORA_Q8_0_BIAS);
         }
 }
 
@@ -93,7 +96,8 @@ static void export_q8_0_(const lora_factor *f, int64_t n, int64_t len, void *dst
             unsigned char *blk = dp + (size_t)((r * nblk + k) * Q8_0_BLOCK_BYTES);
             const uint16_t d = f->d[r * dper + k];
             blk[0] = (unsigned char)(d & 0xffu), blk[1] = (unsigned char)(d >> 8);
-            memcpy(blk + 2, (const int8_t *)f->v + r * f->ld + 32 * k, 32);
+            const uint8_t *v = (const uint8_t *)f->v + r * f->ld + 32 * k;
+            for (int l = 0; l < 32; l++) blk[2 + l] = (unsigned char)(v[l] ^ LORA_Q8_0_BIAS);
         }
 }
 

@@ -87,7 +87,7 @@ static inline size_t lora_dtype_size(int dtype) {
     X(A, LORA_FMT_F32, f32, 1, 4, float, 1)                                                    \
     X(A, LORA_FMT_F16, f16, 1, 2, uint16_t, 1)                                                 \
     X(A, LORA_FMT_BF16, bf16, 1, 2, uint16_t, 1)                                               \
-    X(A, LORA_FMT_Q8_0, q8_0, 32, 34, int8_t, 2)
+    X(A, LORA_FMT_Q8_0, q8_0, 32, 34, uint8_t, 2)
 
 #define LORA_FORMATS_HANDLED(n, where) LORA_STATIC_ASSERT((n) == LORA_FMT_COUNT, where)
 
@@ -271,6 +271,21 @@ static inline void lora_store_f32(void *p, int64_t i, float v, int dtype) {
     LORA_UNREACHABLE();
 }
 
+/* Q8_0's values as a factor keeps them: each int8 q biased to the unsigned byte
+ * b = q + 128 (q ^ 0x80; lora_delta_new takes and lora_delta_export gives
+ * llama.cpp's int8 q).  The bias lets a vector path build a Q8_0 value in two
+ * uops instead of four: one byte shuffle sets b into bits 8..15 of the float32
+ * 1.0f, whose lane then reads 1 + b 2^-15 exactly, and one fused multiply-
+ * subtract by two per-block constants, D = d 2^15 and C = D + D 2^-8, gives
+ * (1 + b 2^-15) D - C = (b - 128) d = q d.  D and C are exact in float32 (d
+ * is a float16: 11 significant bits, at least 2^-24, so D >= 2^-9 and C spans
+ * 19 bits), and q d is exact in float32, so the fma returns q d itself: the
+ * same value as sign extension, int-to-float and a multiply by d (the
+ * portable reader below), bit for bit. */
+#define LORA_Q8_0_BIAS 0x80
+static inline float lora_q8_0_big(float d) { return d * 32768.0f; }       /* D: exact */
+static inline float lora_q8_0_off(float big) { return big + big * (1.0f / 256.0f); } /* C: exact */
+
 /* value e of a factor run in format fmt, as float32 (exact): the portable
  * reader for code off the hot vector loops (statistics, the gather's rows of
  * B, exports); one case per registry format, the code checked first */
@@ -281,7 +296,7 @@ static inline float lora_run_load(lora_run r, int64_t e, int fmt) {
         return lora_load_f32(r.v, e, fmt); /* an element format: its dtype's value */
     case LORA_FMT_Q8_0:
         /* d * q: an 8-bit integer times a float16 is exact in float32 */
-        return (float)((const int8_t *)r.v)[e] * lora_f16_to_f32(r.d[e / 32]);
+        return (float)((int)((const uint8_t *)r.v)[e] - LORA_Q8_0_BIAS) * lora_f16_to_f32(r.d[e / 32]);
     }
     LORA_UNREACHABLE();
     return 0.0f;

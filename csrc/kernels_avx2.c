@@ -71,10 +71,12 @@ INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
 }
 
 /* value e of a factor run in storage format f (an element format: its dtype's value; Q8_0:
- * d * q, an 8-bit integer times a float16, exact in float32, so summed in float32's order) */
+ * d * q, an 8-bit integer times a float16, exact in float32, so summed in float32's order;
+ * q is kept biased, formats.h) */
 LORA_FORMATS_HANDLED(4, avx2_run_loads_know_f32_f16_bf16_q8_0);
 INLINE_ float run_f32_(lora_run r, int64_t e, const int f) {
-    if (f == LORA_FMT_Q8_0) return (float)((const int8_t *)r.v)[e] * _cvtsh_ss(r.d[e >> 5]);
+    if (f == LORA_FMT_Q8_0)
+        return (float)((int)((const uint8_t *)r.v)[e] - LORA_Q8_0_BIAS) * _cvtsh_ss(r.d[e >> 5]);
     return load_f32_(r.v, e, f);
 }
 
@@ -116,34 +118,43 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 
 /* A run of a factor's values as float32 (exact): 8 of them, and the table's
  * loader (load_f32_, run_f32_ for one).  The one place this file reads a
- * storage format; an element format is its dtype's values; Q8_0 loads 8
- * int8 values (vpmovsxbd, vcvtdq2ps) and multiplies them by the block's
- * scale (vcvtph2ps of a broadcast float16).  Vector runs start at multiples
- * of 8 (rows are multiples of 32 long, tiles and thread splits step by 8),
- * so 8 values never straddle two blocks: one scale a vector. */
+ * storage format; an element format is its dtype's values; Q8_0 values are
+ * built as formats.h describes: the 8 stored bytes broadcast to both 128-bit
+ * halves, vpshufb sets byte l into bits 8..15 of lane l, vpor the bits of
+ * 1.0f around it, and one fused multiply-subtract by the block's D and C
+ * gives d * q exactly (four uops, two of them off the FMA ports, where sign
+ * extension, int-to-float and a multiply took three on them).  Vector runs
+ * start at multiples of 8 (rows are multiples of 32 long, tiles and thread
+ * splits step by 8), so 8 values never straddle two blocks: one scale a vector. */
+INLINE_ __m256 q8_0_f32x8_(const uint8_t *q, __m256 big_f32x8, __m256 off_f32x8) {
+    long long raw;
+    memcpy(&raw, q, sizeof raw); /* 8 bytes, any alignment */
+    const __m256i idx = _mm256_setr_epi32((int)0x80800080u, (int)0x80800180u, (int)0x80800280u, (int)0x80800380u,
+                                          (int)0x80800480u, (int)0x80800580u, (int)0x80800680u, (int)0x80800780u);
+    const __m256i v = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi64x(raw), idx),
+                                      _mm256_set1_epi32(0x3f800000));
+    return _mm256_fmsub_ps(_mm256_castsi256_ps(v), big_f32x8, off_f32x8);
+}
+
 INLINE_ __m256 run_f32x8_(lora_run r, int64_t e, const int f) {
     if (f == LORA_FMT_Q8_0) {
-        const __m128i q_i8x8 = _mm_loadl_epi64((const __m128i *)((const int8_t *)r.v + e));
-        const __m256 d_f32x8 = _mm256_cvtph_ps(_mm_set1_epi16((short)r.d[e >> 5]));
-        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_i8x8)), d_f32x8);
+        const float big = lora_q8_0_big(_cvtsh_ss(r.d[e >> 5]));
+        return q8_0_f32x8_((const uint8_t *)r.v + e, _mm256_set1_ps(big), _mm256_set1_ps(lora_q8_0_off(big)));
     }
     return load_f32x8_(r.v, e, f);
 }
 
-/* The hot loops' Q8_0 load: 8 values from q (a multiple of 8 into its row) times their
- * block's scale, already float32 in d_f32x8 (widened once per tile by q8_0_scales_, or once
- * per row of a decode walk), instead of vpbroadcastw + vcvtph2ps per vector; the same d * q. */
-INLINE_ __m256 q8_0_f32x8_(const int8_t *q, __m256 d_f32x8) {
-    const __m128i q_i8x8 = _mm_loadl_epi64((const __m128i *)q);
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_i8x8)), d_f32x8);
-}
-
-/* the float32 scales of n consecutive Q8_0 blocks from block b0 (dst holds n rounded up to 8) */
-INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *dst) {
+/* D and C (formats.h) of n consecutive Q8_0 blocks from block b0 (big and off hold n
+ * rounded up to 8) */
+INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *big, float *off) {
     int64_t s = 0;
-    for (; s + 8 <= n; s += 8)
-        _mm256_storeu_ps(dst + s, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r.d + b0 + s))));
-    for (; s < n; s++) dst[s] = _cvtsh_ss(r.d[b0 + s]);
+    for (; s + 8 <= n; s += 8) {
+        const __m256 big_f32x8 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r.d + b0 + s))),
+                                               _mm256_set1_ps(32768.0f));
+        _mm256_storeu_ps(big + s, big_f32x8);
+        _mm256_storeu_ps(off + s, _mm256_fmadd_ps(big_f32x8, _mm256_set1_ps(1.0f / 256.0f), big_f32x8));
+    }
+    for (; s < n; s++) big[s] = lora_q8_0_big(_cvtsh_ss(r.d[b0 + s])), off[s] = lora_q8_0_off(big[s]);
 }
 
 INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
@@ -167,16 +178,19 @@ INLINE_ void project_rows_avx2_(lora_run a, int64_t lda, int64_t cols, int64_t k
         const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
         __m256 acc_f32x8[8];
         for (int r = 0; r < nr; r++) acc_f32x8[r] = _mm256_setzero_ps();
-        float d_f32[8][LORA_JBLOCK / 32 + 8]; /* Q8_0: the rows' scales over the block, widened once */
+        /* Q8_0: the rows' D and C over the block, widened once */
+        float big[8][LORA_JBLOCK / 32 + 8], off[8][LORA_JBLOCK / 32 + 8];
         if (f == LORA_FMT_Q8_0)
-            for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + jb) / 32, (je - jb + 31) / 32, d_f32[r]);
+            for (int r = 0; r < nr; r++)
+                q8_0_scales_(a, ((k + r) * lda + jb) / 32, (je - jb + 31) / 32, big[r], off[r]);
         for (int64_t j = jb; j < je; j += 8) {
             const __m256 x_f32x8 = load_f32x8_(x, j, xt);
             for (int r = 0; r < nr; r++) {
                 const int64_t e = (k + r) * lda + j;
                 const __m256 a_f32x8 =
                     f == LORA_FMT_Q8_0
-                        ? q8_0_f32x8_((const int8_t *)a.v + e, _mm256_broadcast_ss(&d_f32[r][(j - jb) >> 5]))
+                        ? q8_0_f32x8_((const uint8_t *)a.v + e, _mm256_broadcast_ss(&big[r][(j - jb) >> 5]),
+                                      _mm256_broadcast_ss(&off[r][(j - jb) >> 5]))
                         : run_f32x8_(a, e, f);
                 acc_f32x8[r] = _mm256_fmadd_ps(a_f32x8, x_f32x8, acc_f32x8[r]);
             }
@@ -353,9 +367,10 @@ INLINE_ void term_vecs_avx2_(lora_run m, int64_t ldm, int64_t kdim, const int kn
             const __m256 u_f32x8 = _mm256_broadcast_ss(u + k0 + k);
             if (f == LORA_FMT_Q8_0) { /* i is a multiple of 16: the nv vectors share a block */
                 const int64_t e = (k0 + k) * ldm + i;
-                const __m256 d_f32x8 = _mm256_set1_ps(_cvtsh_ss(m.d[e >> 5]));
+                const float big = lora_q8_0_big(_cvtsh_ss(m.d[e >> 5]));
+                const __m256 big_f32x8 = _mm256_set1_ps(big), off_f32x8 = _mm256_set1_ps(lora_q8_0_off(big));
                 for (int v = 0; v < nv; v++)
-                    block_f32x8[v] = _mm256_fmadd_ps(q8_0_f32x8_((const int8_t *)m.v + e + 8 * v, d_f32x8),
+                    block_f32x8[v] = _mm256_fmadd_ps(q8_0_f32x8_((const uint8_t *)m.v + e + 8 * v, big_f32x8, off_f32x8),
                                                      u_f32x8, block_f32x8[v]);
                 continue;
             }

@@ -110,40 +110,69 @@ INLINE_ float hsum_f32x16_(__m512 v) {
  * multiples of 16 (rows are multiples of 32 long, tiles and thread splits
  * step by 16), so 16 values never straddle two blocks: one scale a vector. */
 LORA_FORMATS_HANDLED(4, avx512_run_loads_know_f32_f16_bf16_q8_0);
-INLINE_ __m512 q8_0_scale_f32x16_(lora_run r, int64_t e) {
-    return _mm512_cvtph_ps(_mm256_set1_epi16((short)r.d[e >> 5]));
+
+/* A Q8_0 block's scale as the two constants of formats.h's biased load: D = d 2^15 and
+ * C = D + D 2^-8, each broadcast (both exact) */
+INLINE_ void q8_0_big_off_(uint16_t d, __m512 *big_f32x16, __m512 *off_f32x16) {
+    *big_f32x16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi16((short)d)), _mm512_set1_ps(32768.0f));
+    *off_f32x16 = _mm512_fmadd_ps(*big_f32x16, _mm512_set1_ps(1.0f / 256.0f), *big_f32x16);
+}
+
+/* 16 Q8_0 values from 16 stored bytes (broadcast to every 128-bit block of raw), as
+ * formats.h builds them: vpshufb sets byte l into bits 8..15 of lane l, merged into the bits
+ * of 1.0f (lane l reads 1 + b 2^-15), and one fused multiply-subtract gives q d exactly.
+ * Two uops a vector where sign extension, int-to-float and the scale's multiply take three
+ * (one of them on port 5 beside the FMAs); `mask` zeroes the lanes it leaves out. */
+INLINE_ __m512 q8_0_values_f32x16_(__m512i raw_u8x16x4, __m512 big_f32x16, __m512 off_f32x16, __mmask16 mask) {
+    const __m512i idx = _mm512_set_epi32(0x0f00, 0x0e00, 0x0d00, 0x0c00, 0x0b00, 0x0a00, 0x0900, 0x0800,
+                                         0x0700, 0x0600, 0x0500, 0x0400, 0x0300, 0x0200, 0x0100, 0x0000);
+    const __m512i one = _mm512_set1_epi32(0x3f800000);
+    const __m512 v = _mm512_castsi512_ps(_mm512_mask_shuffle_epi8(one, (__mmask64)0x2222222222222222ull,
+                                                                  raw_u8x16x4, idx));
+    return mask == (__mmask16)0xffff ? _mm512_fmsub_ps(v, big_f32x16, off_f32x16)
+                                     : _mm512_maskz_fmsub_ps(mask, v, big_f32x16, off_f32x16);
 }
 
 INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) {
     if (f == LORA_FMT_Q8_0) {
-        const __m128i q_i8x16 = _mm_loadu_si128((const __m128i *)((const int8_t *)r.v + e));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_i8x16)), q8_0_scale_f32x16_(r, e));
+        __m512 big_f32x16, off_f32x16;
+        q8_0_big_off_(r.d[e >> 5], &big_f32x16, &off_f32x16);
+        const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)((const uint8_t *)r.v + e)));
+        return q8_0_values_f32x16_(raw, big_f32x16, off_f32x16, (__mmask16)0xffff);
     }
     return load_f32x16_(r.v, e, f);
 }
 
-/* The hot loops' Q8_0 load: 16 values from q (a multiple of 16 into its row) times their
- * block's scale, already float32 in d_f32x16 (q8_0_scales_ widens a tile's scales once, so
- * each vector pays a broadcast from L1, folded into vmulps, instead of vpbroadcastw +
- * vcvtph2ps: 3 of the 7 uops of run_f32x16_'s Q8_0 load); the same d * q. */
-INLINE_ __m512 q8_0_f32x16_(const int8_t *q, __m512 d_f32x16) {
-    const __m128i q_i8x16 = _mm_loadu_si128((const __m128i *)q);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_i8x16)), d_f32x16);
+/* The hot loops' Q8_0 load: 16 values from q (a multiple of 16 into its row), their block's
+ * D and C already float32 (q8_0_scales_ widens a tile's scales once, so each vector pays two
+ * broadcasts from L1, one folded into the fmsub, instead of converting the float16) */
+INLINE_ __m512 q8_0_f32x16_(const uint8_t *q, __m512 big_f32x16, __m512 off_f32x16) {
+    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
+    return q8_0_values_f32x16_(raw, big_f32x16, off_f32x16, (__mmask16)0xffff);
+}
+/* the same under a mask (the lanes left out read as 0; no byte past them is read) */
+INLINE_ __m512 q8_0_masked_f32x16_(const uint8_t *q, __m512 big_f32x16, __m512 off_f32x16, __mmask16 mask) {
+    const __m512i raw = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(mask, q));
+    return q8_0_values_f32x16_(raw, big_f32x16, off_f32x16, mask);
 }
 
-/* the float32 scales of n consecutive Q8_0 blocks from block b0 of a factor (dst holds n
- * rounded up to 16) */
-INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *dst) {
+/* D and C (q8_0_big_off_) of n consecutive Q8_0 blocks from block b0 of a factor (big and off
+ * hold n rounded up to 16) */
+INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *big, float *off) {
     for (int64_t s = 0; s < n; s += 16) {
         const __mmask16 m = n - s >= 16 ? (__mmask16)0xffff : tail_mask_(n - s);
-        _mm512_storeu_ps(dst + s, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r.d + b0 + s)));
+        const __m512 big_f32x16 =
+            _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r.d + b0 + s)), _mm512_set1_ps(32768.0f));
+        _mm512_storeu_ps(big + s, big_f32x16);
+        _mm512_storeu_ps(off + s, _mm512_fmadd_ps(big_f32x16, _mm512_set1_ps(1.0f / 256.0f), big_f32x16));
     }
 }
 
 INLINE_ __m512 run_masked_f32x16_(lora_run r, int64_t e, __mmask16 mask, const int f) {
-    if (f == LORA_FMT_Q8_0) { /* masked-off lanes load 0, and 0 * d is 0 */
-        const __m128i q_i8x16 = _mm_maskz_loadu_epi8(mask, (const int8_t *)r.v + e);
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_i8x16)), q8_0_scale_f32x16_(r, e));
+    if (f == LORA_FMT_Q8_0) {
+        __m512 big_f32x16, off_f32x16;
+        q8_0_big_off_(r.d[e >> 5], &big_f32x16, &off_f32x16);
+        return q8_0_masked_f32x16_((const uint8_t *)r.v + e, big_f32x16, off_f32x16, mask);
     }
     return load_masked_f32x16_(r.v, e, mask, f);
 }
@@ -250,20 +279,52 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
         for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
         return;
     }
-    /* Q8_0: the tile's rows' scales over the chunk, widened once (j0 is a multiple of 32:
-     * chunks start at multiples of CHUNK_ within column blocks of LORA_JBLOCK) */
-    float d_f32[8][CHUNK_ / 32 + 16] __attribute__((aligned(64)));
-    if (f == LORA_FMT_Q8_0)
-        for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + j0) / 32, (j1 - j0 + 31) / 32, d_f32[r]);
+    if (f == LORA_FMT_Q8_0) {
+        /* the tile's rows' D and C over the chunk, widened once (j0 is a multiple of 32: chunks
+         * start at multiples of CHUNK_ within column blocks of LORA_JBLOCK); a block's two
+         * vectors in one step, so each row broadcasts its D and C once a block.  Lane l still
+         * adds column j + l before j + 16 + l: each chain's order is the float32 path's. */
+        float big[8][CHUNK_ / 32 + 16] __attribute__((aligned(64)));
+        float off[8][CHUNK_ / 32 + 16] __attribute__((aligned(64)));
+        for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + j0) / 32, (j1 - j0 + 31) / 32, big[r], off[r]);
+        int64_t j = j0;
+        for (; j + 32 <= j1; j += 32) {
+            __m512 x_lo_f32x16[4], x_hi_f32x16[4];
+            for (int b = 0; b < nb; b++) {
+                x_lo_f32x16[b] = load_f32x16_(xs[b], j, xt);
+                x_hi_f32x16[b] = load_f32x16_(xs[b], j + 16, xt);
+            }
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *q = (const uint8_t *)a.v + (k + r) * lda + j;
+                const __m512 big_f32x16 = _mm512_set1_ps(big[r][(j - j0) >> 5]);
+                const __m512 off_f32x16 = _mm512_set1_ps(off[r][(j - j0) >> 5]);
+                const __m512 lo_f32x16 = q8_0_f32x16_(q, big_f32x16, off_f32x16);
+                const __m512 hi_f32x16 = q8_0_f32x16_(q + 16, big_f32x16, off_f32x16);
+                for (int b = 0; b < nb; b++) {
+                    const __m512 lo_sum_f32x16 = _mm512_fmadd_ps(lo_f32x16, x_lo_f32x16[b], acc_f32x16[r * nb + b]);
+                    acc_f32x16[r * nb + b] = _mm512_fmadd_ps(hi_f32x16, x_hi_f32x16[b], lo_sum_f32x16);
+                }
+            }
+        }
+        if (j < j1) { /* a chunk of whole vectors ends 16 into a block */
+            __m512 x_f32x16[4];
+            for (int b = 0; b < nb; b++) x_f32x16[b] = load_f32x16_(xs[b], j, xt);
+            for (int r = 0; r < nr; r++) {
+                const __m512 a_f32x16 = q8_0_f32x16_((const uint8_t *)a.v + (k + r) * lda + j,
+                                                     _mm512_set1_ps(big[r][(j - j0) >> 5]),
+                                                     _mm512_set1_ps(off[r][(j - j0) >> 5]));
+                for (int b = 0; b < nb; b++)
+                    acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r * nb + b]);
+            }
+        }
+        for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
+        return;
+    }
     for (int64_t j = j0; j < j1; j += 16) {
         __m512 x_f32x16[8];
         for (int b = 0; b < nb; b++) x_f32x16[b] = load_f32x16_(xs[b], j, xt);
         for (int r = 0; r < nr; r++) {
-            const int64_t e = (k + r) * lda + j;
-            const __m512 a_f32x16 =
-                f == LORA_FMT_Q8_0
-                    ? q8_0_f32x16_((const int8_t *)a.v + e, _mm512_set1_ps(d_f32[r][(j - j0) >> 5]))
-                    : run_f32x16_(a, e, f);
+            const __m512 a_f32x16 = run_f32x16_(a, (k + r) * lda + j, f);
             for (int b = 0; b < nb; b++)
                 acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r * nb + b]);
         }
@@ -393,6 +454,19 @@ INLINE_ void term_tile_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t i,
                     m_f32x16[2 * p] = bf16_even_f32x16_(raw_bf16x32);
                     m_f32x16[2 * p + 1] = bf16_odd_f32x16_(raw_bf16x32);
                 }
+            } else if (f == LORA_FMT_Q8_0) {
+                /* the row's D and C over the tile's blocks (from output i & ~31), widened
+                 * once for its nv vectors */
+                float big[16] __attribute__((aligned(64))), off[16] __attribute__((aligned(64)));
+                const int64_t ib = i & ~(int64_t)31;
+                q8_0_scales_(m, (k * ldm + ib) / 32, (i + 16 * nv - ib + 31) / 32, big, off);
+                for (int v = 0; v < nv; v++) {
+                    const uint8_t *q = (const uint8_t *)m.v + k * ldm + i + 16 * v;
+                    const __m512 big_f32x16 = _mm512_set1_ps(big[(i + 16 * v - ib) >> 5]);
+                    const __m512 off_f32x16 = _mm512_set1_ps(off[(i + 16 * v - ib) >> 5]);
+                    m_f32x16[v] = v == nv - 1 ? q8_0_masked_f32x16_(q, big_f32x16, off_f32x16, last)
+                                              : q8_0_f32x16_(q, big_f32x16, off_f32x16);
+                }
             } else {
                 for (int v = 0; v < nv; v++)
                     m_f32x16[v] = v == nv - 1 ? run_masked_f32x16_(m, k * ldm + i + 16 * v, last, f)
@@ -447,6 +521,31 @@ INLINE_ void term_put_avx512_(__m512 acc_f32x16, int64_t i, int64_t i_start, int
     _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(acc_f32x16, s_f32x16, _mm512_maskz_loadu_ps(mask, o)));
 }
 
+#define Q8_0_STRIP_BLOCKS_ (LORA_DECODE_STRIP / 32 + 17)
+
+/* term_block_avx512_'s outputs [i, i1), a vector of 16 at a time (the last one masked), each
+ * with its whole chain over the block's kn ranks; a Q8_0 M's D and C are big/off[k][(i - ib) / 32] */
+INLINE_ void term_vecs_avx512_(lora_run m, int64_t ldm, int64_t k0, const int kn, int64_t i, int64_t i1,
+                               const __m512 *u_f32x16, __m512 s_f32x16, float *out, int64_t obase,
+                               float *total, int64_t i_start, const int f, int64_t ib,
+                               const float (*big)[Q8_0_STRIP_BLOCKS_], const float (*off)[Q8_0_STRIP_BLOCKS_]) {
+    for (; i < i1; i += 16) {
+        const int full = i + 16 <= i1;
+        const __mmask16 mask = full ? (__mmask16)0xffff : tail_mask_(i1 - i);
+        __m512 acc_f32x16 = _mm512_setzero_ps();
+        for (int k = 0; k < kn; k++) {
+            const int64_t e = (k0 + k) * ldm + i;
+            const __m512 m_f32x16 =
+                !full ? run_masked_f32x16_(m, e, mask, f)
+                : f == LORA_FMT_Q8_0 ? q8_0_f32x16_((const uint8_t *)m.v + e, _mm512_set1_ps(big[k][(i - ib) >> 5]),
+                                                    _mm512_set1_ps(off[k][(i - ib) >> 5]))
+                : run_f32x16_(m, e, f);
+            acc_f32x16 = _mm512_fmadd_ps(m_f32x16, u_f32x16[k], acc_f32x16);
+        }
+        term_put_avx512_(acc_f32x16, i, i_start, k0, total, out, obase, s_f32x16, mask);
+    }
+}
+
 /* A decode's outputs [i, i1) (output i at out[i - obase]) from one rank
  * block of kn ranks of M starting at row k0 (u_f32x16: the block's u
  * broadcast): each vector of 16 outputs (32 for a bfloat16 M, its even and
@@ -463,10 +562,12 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
     const int64_t i_start = i;
     /* Q8_0: the block's rows' scales over [i, i1), widened once (rows are 32-value blocks
      * from output i & ~31; i is a multiple of 16 and i1 - i at most a decode strip) */
-    float d_f32[LORA_KBLOCK][LORA_DECODE_STRIP / 32 + 17] __attribute__((aligned(64)));
+    float big[LORA_KBLOCK][Q8_0_STRIP_BLOCKS_] __attribute__((aligned(64)));
+    float off[LORA_KBLOCK][Q8_0_STRIP_BLOCKS_] __attribute__((aligned(64)));
     const int64_t ib = i & ~(int64_t)31;
     if (f == LORA_FMT_Q8_0)
-        for (int k = 0; k < kn; k++) q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, d_f32[k]);
+        for (int k = 0; k < kn; k++)
+            q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, big[k], off[k]);
     if (f == LORA_DTYPE_BF16) {
         for (; i + 32 <= i1; i += 32) {
             __m512 even_f32x16 = _mm512_setzero_ps(), odd_f32x16 = _mm512_setzero_ps();
@@ -489,37 +590,26 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
         }
     }
     if (f == LORA_FMT_Q8_0) {
-        /* two vectors a step, two independent chains (each output's chain unchanged): with
-         * Q8_0's four-uop widening, one chain of kn FMAs per 16 outputs kept too few
-         * widenings in flight to fill the ports behind the FMA latency */
-        for (; i + 32 <= i1; i += 32) {
+        /* a whole block of 32 outputs a step: two independent chains (each output's chain
+         * unchanged) sharing the block's D and C.  A first vector 16 into a block goes alone. */
+        const int64_t first = (i & 31) && i + 16 <= i1 ? i + 16 : i;
+        term_vecs_avx512_(m, ldm, k0, kn, i, first, u_f32x16, s_f32x16, out, obase, total, i_start, f, ib,
+                          (const float (*)[Q8_0_STRIP_BLOCKS_])big, (const float (*)[Q8_0_STRIP_BLOCKS_])off);
+        for (i = first; i + 32 <= i1; i += 32) {
             __m512 lo_f32x16 = _mm512_setzero_ps(), hi_f32x16 = _mm512_setzero_ps();
-            const int64_t dlo = (i - ib) >> 5, dhi = (i + 16 - ib) >> 5;
+            const int64_t blk = (i - ib) >> 5;
             for (int k = 0; k < kn; k++) {
-                const int8_t *q = (const int8_t *)m.v + (k0 + k) * ldm + i;
-                lo_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q, _mm512_set1_ps(d_f32[k][dlo])), u_f32x16[k],
-                                            lo_f32x16);
-                hi_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q + 16, _mm512_set1_ps(d_f32[k][dhi])),
-                                            u_f32x16[k], hi_f32x16);
+                const uint8_t *q = (const uint8_t *)m.v + (k0 + k) * ldm + i;
+                const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk]), off_f32x16 = _mm512_set1_ps(off[k][blk]);
+                lo_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q, big_f32x16, off_f32x16), u_f32x16[k], lo_f32x16);
+                hi_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q + 16, big_f32x16, off_f32x16), u_f32x16[k], hi_f32x16);
             }
             term_put_avx512_(lo_f32x16, i, i_start, k0, total, out, obase, s_f32x16, (__mmask16)0xffff);
             term_put_avx512_(hi_f32x16, i + 16, i_start, k0, total, out, obase, s_f32x16, (__mmask16)0xffff);
         }
     }
-    for (; i < i1; i += 16) {
-        const int full = i + 16 <= i1;
-        const __mmask16 mask = full ? (__mmask16)0xffff : tail_mask_(i1 - i);
-        __m512 acc_f32x16 = _mm512_setzero_ps();
-        for (int k = 0; k < kn; k++) {
-            const int64_t e = (k0 + k) * ldm + i;
-            const __m512 m_f32x16 =
-                !full ? run_masked_f32x16_(m, e, mask, f)
-                : f == LORA_FMT_Q8_0 ? q8_0_f32x16_((const int8_t *)m.v + e, _mm512_set1_ps(d_f32[k][(i - ib) >> 5]))
-                : run_f32x16_(m, e, f);
-            acc_f32x16 = _mm512_fmadd_ps(m_f32x16, u_f32x16[k], acc_f32x16);
-        }
-        term_put_avx512_(acc_f32x16, i, i_start, k0, total, out, obase, s_f32x16, mask);
-    }
+    term_vecs_avx512_(m, ldm, k0, kn, i, i1, u_f32x16, s_f32x16, out, obase, total, i_start, f, ib,
+                      (const float (*)[Q8_0_STRIP_BLOCKS_])big, (const float (*)[Q8_0_STRIP_BLOCKS_])off);
 }
 
 /* term_block_avx512_ with kn a constant for the common ranks */
@@ -578,8 +668,9 @@ INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t
                       float *const *outs, int64_t obase, const int f) {
     /* a decode walks M in order (term_decode_avx512_); past one rank block a half M keeps the
      * tiles, whose even/odd and per-16 widenings the walk's strip of totals slowed by
-     * 19 % where M sits in L2 (bfloat16 rank 64) */
-    if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32)) {
+     * 19 % where M sits in L2 (bfloat16 rank 64), and a Q8_0 M walks (its tiles' per-row
+     * scales took 1.6x the walk's time where M sits in L2, rank 32) */
+    if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32 || f == LORA_FMT_Q8_0)) {
         term_decode_avx512_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, f);
         return;
     }

@@ -79,7 +79,8 @@ INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
 /* A run of a factor's values as float32 (exact): 4 of them, and one (the
  * table's loader, load_run_, follows the tails).  The one place this file
  * reads a storage format; an element format is its dtype's values; a Q8_0
- * value is d * q (sxtl twice, scvtf, one fmul by the block's float16 scale
+ * value is d * q (q kept biased, formats.h: one eor takes the bias off four
+ * values; then sxtl twice, scvtf, one fmul by the block's float16 scale
  * widened with fcvt: an 8-bit integer times a float16 is exact in float32),
  * so a Q8_0 factor is summed in float32's order.  Vector runs start at
  * multiples of 4 (rows are multiples of 32 long, tiles and thread splits step
@@ -89,16 +90,17 @@ INLINE_ float q8_0_scale_(lora_run r, int64_t e) { return (float)((const __fp16 
 
 INLINE_ float32x4_t run_f32x4_(lora_run r, int64_t e, const int f) {
     if (f == LORA_FMT_Q8_0) {
-        int32_t raw;
-        memcpy(&raw, (const int8_t *)r.v + e, sizeof raw); /* 4 int8 values, any alignment */
-        const int16x8_t q_s16x8 = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(raw)));
+        uint32_t raw;
+        memcpy(&raw, (const uint8_t *)r.v + e, sizeof raw); /* 4 stored values, any alignment */
+        raw ^= 0x80808080u;                                  /* the bias off: 4 int8 q */
+        const int16x8_t q_s16x8 = vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(raw)));
         const float32x4_t q_f32x4 = vcvtq_f32_s32(vmovl_s16(vget_low_s16(q_s16x8)));
         return vmulq_n_f32(q_f32x4, q8_0_scale_(r, e));
     }
     return load_f32x4_(r.v, e, f);
 }
 INLINE_ float run_f32_(lora_run r, int64_t e, const int f) {
-    if (f == LORA_FMT_Q8_0) return (float)((const int8_t *)r.v)[e] * q8_0_scale_(r, e);
+    if (f == LORA_FMT_Q8_0) return (float)((int)((const uint8_t *)r.v)[e] - LORA_Q8_0_BIAS) * q8_0_scale_(r, e);
     return load_f32_(r.v, e, f);
 }
 
