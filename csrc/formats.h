@@ -87,7 +87,7 @@ static inline size_t lora_dtype_size(int dtype) {
     X(A, LORA_FMT_F32, f32, 1, 4, float, 1)                                                    \
     X(A, LORA_FMT_F16, f16, 1, 2, uint16_t, 1)                                                 \
     X(A, LORA_FMT_BF16, bf16, 1, 2, uint16_t, 1)                                               \
-    X(A, LORA_FMT_Q8_0, q8_0, 32, 34, uint8_t, 2)
+    X(A, LORA_FMT_Q8_0, q8_0, 32, 34, uint8_t, 1)
 
 #define LORA_FORMATS_HANDLED(n, where) LORA_STATIC_ASSERT((n) == LORA_FMT_COUNT, where)
 
@@ -133,14 +133,14 @@ static inline size_t lora_format_value_size(int fmt) {
 
 /* The team policy's weight of one multiply-add on a format's values, float32's
  * being 1 (team.c's floors are measured on float32 and bfloat16, whose hot
- * loops are one load or shuffle and one FMA a vector).  Q8_0 pays vpmovsxbd,
- * vcvtdq2ps and vmulps before its FMA: on a 2-vCPU Intel Xeon (Sapphire
- * Rapids class) a hot 4096 x 4096 rank-16 decode took 1.62x the bfloat16
- * time on one thread, and two threads cut it to 0.78-0.82x of that one thread's
- * time, where bfloat16's gained nothing (medians of 7 windows); weight 2
- * opens the team for it there.  On another VM of the same model neither
- * gained (1.02x: a team's wake and barrier cost what the split saves), and
- * the judge below backs the team off.  Threads never change the bits. */
+ * loops are one load or shuffle and one FMA a vector).  Q8_0 weighs as
+ * float32: its hot loop is one byte shuffle, one fused multiply-subtract and
+ * the FMA a vector (the biased load below), and on a 2-vCPU Intel Xeon
+ * (Sapphire Rapids class) a hot 4096 x 4096 rank-16 decode took 1.3x the
+ * bfloat16 time on one thread; weight 2 opened a team for it there that lost
+ * to one thread (5.65 against 5.26 us, medians of 7 windows).  A format whose
+ * widening costs more weighs more, so the team opens for smaller calls of it.
+ * Threads never change the bits. */
 static inline int64_t lora_format_work(int fmt) {
     switch (fmt) {
 #define LORA_FMT_WORK_(A, CODE, NAME, BLOCK, BYTES, VALUE, WORK) case CODE: return WORK;

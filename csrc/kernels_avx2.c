@@ -4,8 +4,9 @@
  * Required features: AVX2, FMA, F16C (isa.c checks all three).
  * Instructions: vfmadd231ps on 8-lane ymm registers; float16 storage is
  * widened with vcvtph2ps (F16C), bfloat16 with vpmovzxwd + vpslld 16 (a
- * bfloat16 is the top half of a float32, so the shift is exact), Q8_0 with
- * vpmovsxbd + vcvtdq2ps and one vmulps by its block's scale (exact).
+ * bfloat16 is the top half of a float32, so the shift is exact), Q8_0 from
+ * its biased bytes with vpshufb + vpor and one vfmsub by two constants of its
+ * block's scale (exact; formats.h).
  *
  * Summation order (one per output element, shared by decode, batch, stack
  * and bank):

@@ -4,8 +4,9 @@
  * Required features: AVX512F, AVX512BW + AVX512VL (16-bit masked loads for
  * the half-precision tails), FMA, F16C (isa.c checks all of them).
  * Instructions: vfmadd231ps on 16-lane zmm registers; float16 storage is
- * widened with vcvtph2ps; Q8_0 storage 16 int8 values a load (vpmovsxbd,
- * vcvtdq2ps, vmulps by the block's float16 scale: exact); bfloat16 storage 32 values per 64-byte load, split
+ * widened with vcvtph2ps; Q8_0 storage 16 biased bytes a broadcast load, set
+ * into the bits of 1.0f by one vpshufb and made d * q by one vfmsub (exact;
+ * formats.h); bfloat16 storage 32 values per 64-byte load, split
  * into its even- and odd-indexed values by two vpshufb (exact, port 5, off
  * the FMA port; see bf16_even_f32x16_), or with vpmovzxwd + vpslld 16 for
  * 16-value tiles, tails and by-row terms.  Packed rows start on 64-byte lines
@@ -103,10 +104,10 @@ INLINE_ float hsum_f32x16_(__m512 v) {
 /* A run of a factor's values as float32 (exact): 16 of them, the same under
  * a mask, and the raw 32 values of a 64-byte load (bfloat16's pair order,
  * bf16_even/odd_f32x16_).  The one place this file reads a storage format; an
- * element format is its dtype's values; a Q8_0 value is d * q (vpmovsxbd,
- * vcvtdq2ps, then one vmulps by the block's scale, vcvtph2ps of a broadcast
- * float16: the product of an 8-bit integer and a float16 is exact in
- * float32), so a Q8_0 factor is summed in float32's order.  Runs start at
+ * element format is its dtype's values; a Q8_0 value is d * q, built from its
+ * biased byte as formats.h describes (the product of an 8-bit integer and a
+ * float16 is exact in float32), so a Q8_0 factor is summed in float32's
+ * order.  Runs start at
  * multiples of 16 (rows are multiples of 32 long, tiles and thread splits
  * step by 16), so 16 values never straddle two blocks: one scale a vector. */
 LORA_FORMATS_HANDLED(4, avx512_run_loads_know_f32_f16_bf16_q8_0);

@@ -7,7 +7,8 @@
  * (isa.c makes this the best path whenever the file is compiled in).
  * Instructions: fmla (vfmaq_f32) on 4-lane float32x4 registers; float16
  * storage and activations are widened with fcvtl (vcvt_f32_f16, exact),
- * Q8_0 storage with sxtl + scvtf and one fmul by its block's scale (exact),
+ * Q8_0 storage with eor (its bias off) + sxtl + scvtf and one fmul by its
+ * block's scale (exact),
  * bfloat16 with ushll #16 (vshll_n_u16: a bfloat16 is the top half of a
  * float32, so the shift is exact); a float16 out is narrowed with fcvtn
  * (vcvt_f16_f32: round to nearest even under the default FPCR, subnormals

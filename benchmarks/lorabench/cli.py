@@ -125,10 +125,14 @@ def main(argv=None, description=None):
         notes.append(f"lora runs {meta['lora_threads']} threads, not the {threads} asked for "
                      f"(kernel_info: openmp {kinfo.get('openmp')})")
 
-    set_layers = workloads.QUICK_SET_LAYERS if quick else workloads.LLAMA2_7B_LAYERS
+    set_layers, set_sizing = workloads.size_set_step(cpu["llc"]["bytes"], cpu["mem_available_bytes"], quick)
+    meta["set_step_sizing"] = set_sizing
     if quick:
-        notes.append(f"--quick: the adapter-set step builds {set_layers} of the model's "
-                     f"{workloads.LLAMA2_7B_LAYERS} layers (a full run builds them all)")
+        notes.append(f"--quick: the adapter-set step builds {set_layers} layers (a full run sizes it "
+                     f"from the last-level cache, at least the model's {workloads.LLAMA2_7B_LAYERS})")
+    elif set_sizing["capped_by"]:
+        notes.append(f"the adapter-set step builds {set_layers} layers, capped by {set_sizing['capped_by']} "
+                     f"({set_sizing['layers_wanted']} would read 2x the last-level cache)")
     peft_layers = peftmodel.QUICK_LAYERS if quick else peftmodel.LAYERS
     if quick:
         notes.append(f"--quick: the PEFT rows build {peft_layers} of their model's {peftmodel.LAYERS} layers "

@@ -131,6 +131,13 @@ def header_lines(meta):
                      + f" the {fmt_bytes(sz['llc_bytes'])} last-level cache"
                      + (f" (set by {sz['capped_by']}; 2x the cache wants {sz['layers_wanted']} layers)"
                         if sz["capped_by"] else ""))
+    ss = meta.get("set_step_sizing")
+    if ss and "q8_0_step_bytes" in ss:
+        lines.append(f"adapter-set step: {ss['layers']} layers x 8 adapters, {ss['adapters_used']} of them used by "
+                     f"its sequences: a q8_0 step reads {fmt_bytes(ss['q8_0_step_bytes'])} = "
+                     f"{ss['q8_0_over_llc']:.1f}x the last-level cache"
+                     + (f" (set by {ss['capped_by']}; 2x the cache wants {ss['layers_wanted']} layers)"
+                        if ss["capped_by"] else ""))
     load = meta.get("load")
     if load:
         lines.append("load from other processes: " + "; ".join(

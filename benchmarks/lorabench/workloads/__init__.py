@@ -36,13 +36,13 @@ from .load import LOAD_NAME, measure_under_load
 from .merge import MERGE_DTYPES, MERGE_N, QUICK_MERGE_N, build_merge, merge_name
 from .moe import MOE_PROJ, MOE_TOKENS, QUICK as QUICK_MOE, build_moe, moe_name
 from .runner import analyse, rel_err, run_workload
-from .setstep import QUICK_SET_LAYERS, build_set_step, set_step_name
+from .setstep import QUICK_SET_LAYERS, build_set_step, set_step_name, size_set_step
 from .sweep import LLAMA2_7B_LAYERS, SWEEP_RANK, build_sweep, size_sweep, sweep_name
 
 __all__ = [  # what the rest of lorabench reads (cli, targets, peftmodel)
     "BANK_EDGE_NAME", "DECODE_SHAPES", "EDGE_BATCH", "LLAMA2_7B_LAYERS", "QUICK_SET_LAYERS", "Built", "Ctx", "Skip",
     "Workload", "analyse", "bank_name", "decode_name", "dora_name", "edge_name", "gather_name", "halfact_name", "moe_name",
-    "prefill_name", "rel_err", "run_workload", "size_sweep", "workloads"]
+    "prefill_name", "rel_err", "run_workload", "size_set_step", "size_sweep", "workloads"]
 
 
 def workloads(sweep_layers, startup_runs, set_layers=LLAMA2_7B_LAYERS, quick=False):

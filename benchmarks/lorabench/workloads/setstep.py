@@ -10,16 +10,44 @@ q8_0); flops = 2*n*rank*(rows+cols).
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from ..timing import Impl
 from .core import TOL, VALUE_BYTES, Built, lora_ref, pair, rand
-from .sweep import LLAMA2_7B
+from .sweep import LLAMA2_7B, LLAMA2_7B_LAYERS, sweep_layer_bytes
 
 SET_ADAPTERS, SET_RANK, SET_BATCH = 8, 16, 8
 QUICK_SET_LAYERS = 2  # --quick: the adapter-set step builds 2 of the 32 layers
+
+
+def set_step_ids(n_adapters=SET_ADAPTERS, batch=SET_BATCH):
+    """The slot of each sequence of the step (seeded: the sizing and the build agree on them)."""
+    return np.random.default_rng(10).integers(0, n_adapters, size=batch)
+
+
+def size_set_step(llc_bytes, mem_available, quick=False, n_adapters=SET_ADAPTERS, rank=SET_RANK):
+    """Layers of the adapter-set step, sized from the machine so that the step streams its
+    adapters from DRAM: the q8_0 factors one step reads (those of the adapters its sequences
+    use) are at least twice the last-level cache, never fewer than the model's 32 layers (on a
+    32 MiB L3 that is the 8 x 32-layer step, 610 MiB of bfloat16; a VM that reports a 480 MiB L3
+    holds a 32-layer q8_0 step whole, and its step would time the kernels on cached data).
+    Memory: the bfloat16 set and one layer's float32 sources, kept under half the available
+    memory (a cap that is reported).  `quick`: QUICK_SET_LAYERS (the code path, not the numbers)."""
+    if quick:
+        return QUICK_SET_LAYERS, {"layers": QUICK_SET_LAYERS, "capped_by": "--quick"}
+    used = len(np.unique(set_step_ids(n_adapters)))
+    q8_step = used * sweep_layer_bytes(rank, VALUE_BYTES["q8_0"])  # one layer, the adapters used
+    wanted = max(LLAMA2_7B_LAYERS, math.ceil(2 * llc_bytes / q8_step))
+    bf16_set = n_adapters * sweep_layer_bytes(rank, 2)
+    cap = int(mem_available / 2 // (1.5 * bf16_set)) if mem_available else None
+    layers, capped_by = (cap, "memory") if cap is not None and cap < wanted else (wanted, None)
+    layers = max(1, layers)
+    return layers, {"layers": layers, "layers_wanted": wanted, "capped_by": capped_by,
+                    "adapters_used": used, "q8_0_step_bytes": layers * q8_step,
+                    "q8_0_over_llc": layers * q8_step / llc_bytes}
 
 
 def set_step_name(layers):
@@ -49,7 +77,7 @@ def build_set_step(ctx, layers, n_adapters=SET_ADAPTERS, rank=SET_RANK, batch=SE
         aset.add(f"adapter{k}", lora.LoraAdapter(ds, name=f"adapter{k}", alpha=2.0 * rank, scale=sc))
         scales.append(sc)
     build_s = time.perf_counter() - t0
-    ids = aset.slots([f"adapter{i}" for i in rng.integers(0, n_adapters, size=batch)])
+    ids = aset.slots([f"adapter{i}" for i in set_step_ids(n_adapters, batch)])
     pos = rng.uniform(0.25, 1.25, size=batch)
     xs = {c: rand(rng, (batch, c), 1.0) for c in (4096, 11008)}
     outs = {r: np.zeros((batch, r), np.float32) for r in (4096, 11008)}
