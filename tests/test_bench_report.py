@@ -430,3 +430,20 @@ def test_the_peft_example_never_prints_a_negative_lora_cost():
     assert example.lora_cost(6.13, 5.40, 32) == "LoRA  22.81 ms/step"
     text = example.lora_cost(5.40, 21.14, 32)  # the 491.72 ms/step "saving" of a busy machine
     assert "-" not in text and "491.88 ms/step below the base model's time (noise, not a saving)" in text
+
+
+def test_the_set_step_is_sized_past_twice_the_last_level_cache():
+    from lorabench.workloads import size_set_step
+    from lorabench.workloads.setstep import QUICK_SET_LAYERS
+    from lorabench.workloads.sweep import LLAMA2_7B_LAYERS
+
+    # a 32 MiB L3: the model's 32 layers already read several times the cache
+    layers, info = size_set_step(32 << 20, 64 << 30)
+    assert layers == LLAMA2_7B_LAYERS and info["capped_by"] is None and info["q8_0_over_llc"] >= 2
+    # a VM reporting a 480 MiB L3: more layers, until one q8_0 step reads twice the cache
+    layers, info = size_set_step(480 << 20, 64 << 30)
+    assert layers > LLAMA2_7B_LAYERS and 2 <= info["q8_0_over_llc"] < 2.1
+    # too little memory: capped, and the report says by what
+    layers, info = size_set_step(480 << 20, 4 << 30)
+    assert info["capped_by"] == "memory" and layers < info["layers_wanted"]
+    assert size_set_step(480 << 20, 64 << 30, quick=True)[0] == QUICK_SET_LAYERS
