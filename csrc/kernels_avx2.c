@@ -5,8 +5,8 @@
  * Instructions: vfmadd231ps on 8-lane ymm registers; float16 storage is
  * widened with vcvtph2ps (F16C), bfloat16 with vpmovzxwd + vpslld 16 (a
  * bfloat16 is the top half of a float32, so the shift is exact), Q8_0 from
- * its biased bytes with vpshufb + vpor and one vfmsub by two constants of its
- * block's scale (exact; formats.h).
+ * its biased bytes with vpmovzxbd + vcvtdq2ps and one vfmsub by its block's
+ * scale d and 128 d (exact; see run_f32x8_).
  *
  * Summation order (one per output element, shared by decode, batch, stack
  * and bank):
@@ -119,43 +119,38 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
 
 /* A run of a factor's values as float32 (exact): 8 of them, and the table's
  * loader (load_f32_, run_f32_ for one).  The one place this file reads a
- * storage format; an element format is its dtype's values; Q8_0 values are
- * built as formats.h describes: the 8 stored bytes broadcast to both 128-bit
- * halves, vpshufb sets byte l into bits 8..15 of lane l, vpor the bits of
- * 1.0f around it, and one fused multiply-subtract by the block's D and C
- * gives d * q exactly (four uops, two of them off the FMA ports, where sign
- * extension, int-to-float and a multiply took three on them).  Vector runs
- * start at multiples of 8 (rows are multiples of 32 long, tiles and thread
- * splits step by 8), so 8 values never straddle two blocks: one scale a vector. */
-INLINE_ __m256 q8_0_f32x8_(const uint8_t *q, __m256 big_f32x8, __m256 off_f32x8) {
-    long long raw;
-    memcpy(&raw, q, sizeof raw); /* 8 bytes, any alignment */
-    const __m256i idx = _mm256_setr_epi32((int)0x80800080u, (int)0x80800180u, (int)0x80800280u, (int)0x80800380u,
-                                          (int)0x80800480u, (int)0x80800580u, (int)0x80800680u, (int)0x80800780u);
-    const __m256i v = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi64x(raw), idx),
-                                      _mm256_set1_epi32(0x3f800000));
-    return _mm256_fmsub_ps(_mm256_castsi256_ps(v), big_f32x8, off_f32x8);
+ * storage format; an element format is its dtype's values; a Q8_0 value is
+ * built from its biased byte b = q + 128 (formats.h): vpmovzxbd, vcvtdq2ps,
+ * then one fused multiply-subtract b d - 128 d, which is q d exactly (b d and
+ * 128 d are exact in float32, and so is their difference), so a Q8_0 factor
+ * is summed in float32's order.  (formats.h's one-shuffle build measured
+ * slower here: on 256-bit registers the shuffle and the vpor it needs cost
+ * what sign extension and the conversion do.)  Vector runs start at
+ * multiples of 8 (rows are multiples of 32 long, tiles and thread splits step
+ * by 8), so 8 values never straddle two blocks: one scale a vector. */
+INLINE_ __m256 q8_0_f32x8_(const uint8_t *q, __m256 d_f32x8, __m256 d128_f32x8) {
+    const __m256 b_f32x8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+    return _mm256_fmsub_ps(b_f32x8, d_f32x8, d128_f32x8);
 }
 
 INLINE_ __m256 run_f32x8_(lora_run r, int64_t e, const int f) {
     if (f == LORA_FMT_Q8_0) {
-        const float big = lora_q8_0_big(_cvtsh_ss(r.d[e >> 5]));
-        return q8_0_f32x8_((const uint8_t *)r.v + e, _mm256_set1_ps(big), _mm256_set1_ps(lora_q8_0_off(big)));
+        const __m256 d_f32x8 = _mm256_cvtph_ps(_mm_set1_epi16((short)r.d[e >> 5]));
+        return q8_0_f32x8_((const uint8_t *)r.v + e, d_f32x8,
+                           _mm256_mul_ps(d_f32x8, _mm256_set1_ps((float)LORA_Q8_0_BIAS)));
     }
     return load_f32x8_(r.v, e, f);
 }
 
-/* D and C (formats.h) of n consecutive Q8_0 blocks from block b0 (big and off hold n
- * rounded up to 8) */
-INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *big, float *off) {
+/* d and 128 d of n consecutive Q8_0 blocks from block b0 (d and d128 hold n rounded up to 8) */
+INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *d, float *d128) {
     int64_t s = 0;
     for (; s + 8 <= n; s += 8) {
-        const __m256 big_f32x8 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r.d + b0 + s))),
-                                               _mm256_set1_ps(32768.0f));
-        _mm256_storeu_ps(big + s, big_f32x8);
-        _mm256_storeu_ps(off + s, _mm256_fmadd_ps(big_f32x8, _mm256_set1_ps(1.0f / 256.0f), big_f32x8));
+        const __m256 d_f32x8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r.d + b0 + s)));
+        _mm256_storeu_ps(d + s, d_f32x8);
+        _mm256_storeu_ps(d128 + s, _mm256_mul_ps(d_f32x8, _mm256_set1_ps((float)LORA_Q8_0_BIAS)));
     }
-    for (; s < n; s++) big[s] = lora_q8_0_big(_cvtsh_ss(r.d[b0 + s])), off[s] = lora_q8_0_off(big[s]);
+    for (; s < n; s++) d[s] = _cvtsh_ss(r.d[b0 + s]), d128[s] = d[s] * (float)LORA_Q8_0_BIAS;
 }
 
 INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f) {
@@ -179,7 +174,7 @@ INLINE_ void project_rows_avx2_(lora_run a, int64_t lda, int64_t cols, int64_t k
         const int64_t je = jb + LORA_JBLOCK < body ? jb + LORA_JBLOCK : body;
         __m256 acc_f32x8[8];
         for (int r = 0; r < nr; r++) acc_f32x8[r] = _mm256_setzero_ps();
-        /* Q8_0: the rows' D and C over the block, widened once */
+        /* Q8_0: the rows' d and 128 d over the block, widened once */
         float big[8][LORA_JBLOCK / 32 + 8], off[8][LORA_JBLOCK / 32 + 8];
         if (f == LORA_FMT_Q8_0)
             for (int r = 0; r < nr; r++)
@@ -354,22 +349,22 @@ INLINE_ void term_tile_avx2_(lora_run m, int64_t ldm, int64_t kdim, int64_t i, c
 }
 
 /* A decode's outputs i .. i + 8 nv (nv = 1 or 2: one 64-byte line of a
- * float32 M row), their whole chain over the rank before the next: the
+ * float32 M row; 4 for a Q8_0 block), their whole chain over the rank before the next: the
  * blocked chains of term_tile_avx2_ (kn a constant where it can be, see
  * term_decode_avx2_), the totals in registers, then out = fma(total, s, out). */
 INLINE_ void term_vecs_avx2_(lora_run m, int64_t ldm, int64_t kdim, const int kn, int64_t i,
                           const int nv, const float *u, float s, float *out, int64_t obase,
                           const int f) {
-    __m256 total_f32x8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 total_f32x8[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
         const int n = kn ? kn : (int)(kdim - k0 < LORA_KBLOCK ? kdim - k0 : LORA_KBLOCK);
-        __m256 block_f32x8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 block_f32x8[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int k = 0; k < n; k++) {
             const __m256 u_f32x8 = _mm256_broadcast_ss(u + k0 + k);
-            if (f == LORA_FMT_Q8_0) { /* i is a multiple of 16: the nv vectors share a block */
+            if (f == LORA_FMT_Q8_0) { /* the nv vectors share a block (the caller sees to it) */
                 const int64_t e = (k0 + k) * ldm + i;
-                const float big = lora_q8_0_big(_cvtsh_ss(m.d[e >> 5]));
-                const __m256 big_f32x8 = _mm256_set1_ps(big), off_f32x8 = _mm256_set1_ps(lora_q8_0_off(big));
+                const __m256 big_f32x8 = _mm256_set1_ps(_cvtsh_ss(m.d[e >> 5]));
+                const __m256 off_f32x8 = _mm256_mul_ps(big_f32x8, _mm256_set1_ps((float)LORA_Q8_0_BIAS));
                 for (int v = 0; v < nv; v++)
                     block_f32x8[v] = _mm256_fmadd_ps(q8_0_f32x8_((const uint8_t *)m.v + e + 8 * v, big_f32x8, off_f32x8),
                                                      u_f32x8, block_f32x8[v]);
@@ -403,6 +398,20 @@ INLINE_ void term_decode_avx2_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0
     if (s == 0.0f) return; /* as term_tile_avx2_: a zero scale writes nothing */
     float *out = outs[0];
     int64_t i = i0;
+    if (f == LORA_FMT_Q8_0) {
+        /* a whole block of 32 outputs a call, so its d and 128 d are broadcast once for four
+         * vectors (each output's chain is the same); a first 16 outputs that end a block go
+         * alone */
+        if ((i & 31) && i + 16 <= i1) {
+            term_vecs_avx2_(m, ldm, kdim, 0, i, 2, u, s, out, obase, f);
+            i += 16;
+        }
+        if (kdim == 16) {
+            for (; i + 32 <= i1; i += 32) term_vecs_avx2_(m, ldm, 16, 16, i, 4, u, s, out, obase, f);
+        } else {
+            for (; i + 32 <= i1; i += 32) term_vecs_avx2_(m, ldm, kdim, 0, i, 4, u, s, out, obase, f);
+        }
+    }
     if (kdim == 16) {
         for (; i + 16 <= i1; i += 16) term_vecs_avx2_(m, ldm, 16, 16, i, 2, u, s, out, obase, f);
     } else if (kdim == 8) {

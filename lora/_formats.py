@@ -93,9 +93,6 @@ class Stored:
     ndim = property(lambda self: len(self.shape))
 
 
-# the largest magnitude a Q8_0 block may hold: its scale max|x| / 127 must be finite in float16
-Q8_0_LARGEST = 65504.0 * 127
-
 
 class _Q8_0(Format):
     """llama.cpp's Q8_0: blocks of 32 int8 values ``q`` with one float16 scale ``d`` (value
@@ -127,16 +124,18 @@ class _Q8_0(Format):
         pad[..., :n] = wide
         blocks = pad.reshape(*lead, nblk, 32)
         amax = np.abs(blocks).max(axis=-1)
-        if amax.size and amax.max() > Q8_0_LARGEST:
+        # llama.cpp's arithmetic, in float32: the values, d, 1 / d and x * (1 / d)
+        x32 = blocks.astype(np.float32)
+        with np.errstate(over="ignore"):
+            d = (amax.astype(np.float32) / np.float32(127)).astype(np.float32)
+            d16 = d.astype("<f2")
+        if d16.size and np.isinf(d16).any():  # d >= 65520 rounds to an infinite float16
             at = np.unravel_index(int(np.argmax(amax)), amax.shape)
             row, blk = tuple(int(i) for i in at[:-1]), int(at[-1])
             raise ValueError(f"{what}: the Q8_0 block {blk} of row {row} (values {32 * blk} .. "
-                             f"{min(n, 32 * blk + 32) - 1}) holds {amax[at]:.9g}, past the "
-                             f"largest a block's float16 scale can carry (65504 x 127 = "
-                             f"{Q8_0_LARGEST:g})")
-        # llama.cpp's arithmetic, in float32: the values, d, 1 / d and x * (1 / d)
-        x32 = blocks.astype(np.float32)
-        d = (amax.astype(np.float32) / np.float32(127)).astype(np.float32)
+                             f"{min(n, 32 * blk + 32) - 1}) holds {amax[at]:.9g}: its scale "
+                             f"max|x| / 127 = {float(d[at]):.9g} rounds to an infinite float16 (the "
+                             f"largest float16 is 65504)")
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
             inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
             prod = (x32 * inv[..., None]).astype(np.float64)   # exact in float64
@@ -146,7 +145,6 @@ class _Q8_0(Format):
         # roundf: to nearest, ties away from zero (NumPy's rint rounds ties to even)
         trunc = np.trunc(prod)
         q = np.where(np.abs(prod - trunc) >= 0.5, trunc + np.sign(prod), trunc).astype(np.int8)
-        d16 = d.astype("<f2")
         _warn_if_lost(what, blocks, q * d16.astype(np.float64)[..., None], amax)
         out = np.empty((*lead, nblk, 34), np.uint8)
         out[..., :2] = d16[..., None].view(np.uint8)

@@ -148,7 +148,13 @@ def test_a_block_whose_scale_overflows_float16_is_refused_naming_the_factor():
         lora.LoraDelta(np.ones((2, 40)), b, dtype="q8_0")
     with pytest.raises(ValueError, match="non-finite"):
         lora.LoraDelta(np.full((2, 40), np.nan), np.ones((3, 2)), dtype="q8_0")
-    lora.LoraDelta(np.full((2, 40), 65504.0 * 127), np.ones((3, 2)), dtype="q8_0")  # the edge
+    lora.LoraDelta(np.full((2, 40), 65504.0 * 127), np.ones((3, 2)), dtype="q8_0")
+    # llama.cpp's rule: d = max|x| / 127 in float32, then rounded to float16, so a block up to
+    # just below 65520 x 127 keeps a finite scale (65504), and from there it is infinite
+    edge = lora.LoraDelta(np.full((2, 40), 65519.0 * 127), np.ones((3, 2)), dtype="q8_0")
+    assert np.all(edge.lora_weights()[0] == 65504.0 * 127)
+    with pytest.raises(ValueError, match="infinite float16"):
+        lora.LoraDelta(np.full((2, 40), 65520.0 * 127), np.ones((3, 2)), dtype="q8_0")
 
 
 def _recorded(make):

@@ -188,8 +188,8 @@ class LoraDelta(ByValue):
 
     Raises ``LoraShapeError`` when the pair does not fit (rank 0 included), ``TypeError`` for a
     non-float array, ``ValueError`` for non-finite values or alpha, or values that overflow the
-    storage dtype (q8_0: a block whose largest magnitude passes 65504 x 127, whose scale would
-    overflow float16; the message names the factor and the block).  Compute is float32 in every case; results are deterministic for one ISA path
+    storage dtype (q8_0: a block whose scale, its largest magnitude / 127, rounds to an infinite
+    float16, from 65520 x 127; the message names the factor and the block).  Compute is float32 in every case; results are deterministic for one ISA path
     and dtype, identical for every thread count and batch size.
 
     Pickling keeps the stored factors (bit for bit), dtype, alpha, rsLoRA, the alpha factor and
