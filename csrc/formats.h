@@ -283,8 +283,6 @@ static inline void lora_store_f32(void *p, int64_t i, float v, int dtype) {
  * same value as sign extension, int-to-float and a multiply by d (the
  * portable reader below), bit for bit. */
 #define LORA_Q8_0_BIAS 0x80
-static inline float lora_q8_0_big(float d) { return d * 32768.0f; }       /* D: exact */
-static inline float lora_q8_0_off(float big) { return big + big * (1.0f / 256.0f); } /* C: exact */
 
 /* value e of a factor run in format fmt, as float32 (exact): the portable
  * reader for code off the hot vector loops (statistics, the gather's rows of

@@ -128,6 +128,9 @@ INLINE_ void narrow_vec_(const float *src, int64_t i, void *dst, const int ot) {
  * what sign extension and the conversion do.)  Vector runs start at
  * multiples of 8 (rows are multiples of 32 long, tiles and thread splits step
  * by 8), so 8 values never straddle two blocks: one scale a vector. */
+/* 128 d, the bias's share of a value (exact: a power of two times a float16) */
+INLINE_ __m256 q8_0_d128_f32x8_(__m256 d_f32x8) { return _mm256_mul_ps(d_f32x8, _mm256_set1_ps((float)LORA_Q8_0_BIAS)); }
+
 INLINE_ __m256 q8_0_f32x8_(const uint8_t *q, __m256 d_f32x8, __m256 d128_f32x8) {
     const __m256 b_f32x8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)));
     return _mm256_fmsub_ps(b_f32x8, d_f32x8, d128_f32x8);
@@ -136,8 +139,7 @@ INLINE_ __m256 q8_0_f32x8_(const uint8_t *q, __m256 d_f32x8, __m256 d128_f32x8) 
 INLINE_ __m256 run_f32x8_(lora_run r, int64_t e, const int f) {
     if (f == LORA_FMT_Q8_0) {
         const __m256 d_f32x8 = _mm256_cvtph_ps(_mm_set1_epi16((short)r.d[e >> 5]));
-        return q8_0_f32x8_((const uint8_t *)r.v + e, d_f32x8,
-                           _mm256_mul_ps(d_f32x8, _mm256_set1_ps((float)LORA_Q8_0_BIAS)));
+        return q8_0_f32x8_((const uint8_t *)r.v + e, d_f32x8, q8_0_d128_f32x8_(d_f32x8));
     }
     return load_f32x8_(r.v, e, f);
 }
@@ -148,7 +150,7 @@ INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *d, float *d1
     for (; s + 8 <= n; s += 8) {
         const __m256 d_f32x8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r.d + b0 + s)));
         _mm256_storeu_ps(d + s, d_f32x8);
-        _mm256_storeu_ps(d128 + s, _mm256_mul_ps(d_f32x8, _mm256_set1_ps((float)LORA_Q8_0_BIAS)));
+        _mm256_storeu_ps(d128 + s, q8_0_d128_f32x8_(d_f32x8));
     }
     for (; s < n; s++) d[s] = _cvtsh_ss(r.d[b0 + s]), d128[s] = d[s] * (float)LORA_Q8_0_BIAS;
 }
@@ -175,18 +177,18 @@ INLINE_ void project_rows_avx2_(lora_run a, int64_t lda, int64_t cols, int64_t k
         __m256 acc_f32x8[8];
         for (int r = 0; r < nr; r++) acc_f32x8[r] = _mm256_setzero_ps();
         /* Q8_0: the rows' d and 128 d over the block, widened once */
-        float big[8][LORA_JBLOCK / 32 + 8], off[8][LORA_JBLOCK / 32 + 8];
+        float d_f32[8][LORA_JBLOCK / 32 + 8], d128_f32[8][LORA_JBLOCK / 32 + 8];
         if (f == LORA_FMT_Q8_0)
             for (int r = 0; r < nr; r++)
-                q8_0_scales_(a, ((k + r) * lda + jb) / 32, (je - jb + 31) / 32, big[r], off[r]);
+                q8_0_scales_(a, ((k + r) * lda + jb) / 32, (je - jb + 31) / 32, d_f32[r], d128_f32[r]);
         for (int64_t j = jb; j < je; j += 8) {
             const __m256 x_f32x8 = load_f32x8_(x, j, xt);
             for (int r = 0; r < nr; r++) {
                 const int64_t e = (k + r) * lda + j;
                 const __m256 a_f32x8 =
                     f == LORA_FMT_Q8_0
-                        ? q8_0_f32x8_((const uint8_t *)a.v + e, _mm256_broadcast_ss(&big[r][(j - jb) >> 5]),
-                                      _mm256_broadcast_ss(&off[r][(j - jb) >> 5]))
+                        ? q8_0_f32x8_((const uint8_t *)a.v + e, _mm256_broadcast_ss(&d_f32[r][(j - jb) >> 5]),
+                                      _mm256_broadcast_ss(&d128_f32[r][(j - jb) >> 5]))
                         : run_f32x8_(a, e, f);
                 acc_f32x8[r] = _mm256_fmadd_ps(a_f32x8, x_f32x8, acc_f32x8[r]);
             }
@@ -363,10 +365,10 @@ INLINE_ void term_vecs_avx2_(lora_run m, int64_t ldm, int64_t kdim, const int kn
             const __m256 u_f32x8 = _mm256_broadcast_ss(u + k0 + k);
             if (f == LORA_FMT_Q8_0) { /* the nv vectors share a block (the caller sees to it) */
                 const int64_t e = (k0 + k) * ldm + i;
-                const __m256 big_f32x8 = _mm256_set1_ps(_cvtsh_ss(m.d[e >> 5]));
-                const __m256 off_f32x8 = _mm256_mul_ps(big_f32x8, _mm256_set1_ps((float)LORA_Q8_0_BIAS));
+                const __m256 d_f32x8 = _mm256_set1_ps(_cvtsh_ss(m.d[e >> 5]));
+                const __m256 d128_f32x8 = q8_0_d128_f32x8_(d_f32x8);
                 for (int v = 0; v < nv; v++)
-                    block_f32x8[v] = _mm256_fmadd_ps(q8_0_f32x8_((const uint8_t *)m.v + e + 8 * v, big_f32x8, off_f32x8),
+                    block_f32x8[v] = _mm256_fmadd_ps(q8_0_f32x8_((const uint8_t *)m.v + e + 8 * v, d_f32x8, d128_f32x8),
                                                      u_f32x8, block_f32x8[v]);
                 continue;
             }

@@ -112,11 +112,15 @@ INLINE_ float hsum_f32x16_(__m512 v) {
  * step by 16), so 16 values never straddle two blocks: one scale a vector. */
 LORA_FORMATS_HANDLED(4, avx512_run_loads_know_f32_f16_bf16_q8_0);
 
-/* A Q8_0 block's scale as the two constants of formats.h's biased load: D = d 2^15 and
- * C = D + D 2^-8, each broadcast (both exact) */
-INLINE_ void q8_0_big_off_(uint16_t d, __m512 *big_f32x16, __m512 *off_f32x16) {
-    *big_f32x16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi16((short)d)), _mm512_set1_ps(32768.0f));
+/* The two constants of formats.h's biased load from float16 scales d widened to float32:
+ * D = d 2^15 and C = D + D 2^-8 (both exact), lane for lane */
+INLINE_ void q8_0_big_off_f32x16_(__m512 d_f32x16, __m512 *big_f32x16, __m512 *off_f32x16) {
+    *big_f32x16 = _mm512_mul_ps(d_f32x16, _mm512_set1_ps(32768.0f));
     *off_f32x16 = _mm512_fmadd_ps(*big_f32x16, _mm512_set1_ps(1.0f / 256.0f), *big_f32x16);
+}
+/* the same for one block's scale, broadcast */
+INLINE_ void q8_0_big_off_(uint16_t d, __m512 *big_f32x16, __m512 *off_f32x16) {
+    q8_0_big_off_f32x16_(_mm512_cvtph_ps(_mm256_set1_epi16((short)d)), big_f32x16, off_f32x16);
 }
 
 /* 16 Q8_0 values from 16 stored bytes (broadcast to every 128-bit block of raw), as
@@ -162,10 +166,10 @@ INLINE_ __m512 q8_0_masked_f32x16_(const uint8_t *q, __m512 big_f32x16, __m512 o
 INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *big, float *off) {
     for (int64_t s = 0; s < n; s += 16) {
         const __mmask16 m = n - s >= 16 ? (__mmask16)0xffff : tail_mask_(n - s);
-        const __m512 big_f32x16 =
-            _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r.d + b0 + s)), _mm512_set1_ps(32768.0f));
+        __m512 big_f32x16, off_f32x16;
+        q8_0_big_off_f32x16_(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r.d + b0 + s)), &big_f32x16, &off_f32x16);
         _mm512_storeu_ps(big + s, big_f32x16);
-        _mm512_storeu_ps(off + s, _mm512_fmadd_ps(big_f32x16, _mm512_set1_ps(1.0f / 256.0f), big_f32x16));
+        _mm512_storeu_ps(off + s, off_f32x16);
     }
 }
 
