@@ -256,6 +256,11 @@ INLINE_ void load_x_pairs_(const void *x, int64_t j, __mmask32 mask, const int f
  * terms in ascending j, as the header says. */
 #define CHUNK_ 512
 #define KGROUP_ 32
+/* A Q8_0 row's values are asked for this many bytes ahead of the tile's loads: a chunk reads
+ * only 512 bytes of each row before the next rows, and from memory the hardware prefetchers
+ * then fetch too late (cold 4096 x 4096 rank-16 decode, one thread: ~8 % less time; 512
+ * and 1024 bytes ahead were slower than 256) */
+#define Q8_0_PREFETCH_ 256
 
 /* nr ranks x nb positions (nr * nb <= 16) over columns [j0, j1) (whole
  * vectors); accumulators in state[r*nb + b] */
@@ -301,6 +306,7 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
             }
             for (int r = 0; r < nr; r++) {
                 const uint8_t *q = (const uint8_t *)a.v + (k + r) * lda + j;
+                _mm_prefetch((const char *)q + Q8_0_PREFETCH_, _MM_HINT_T0);
                 const __m512 big_f32x16 = _mm512_set1_ps(big[r][(j - j0) >> 5]);
                 const __m512 off_f32x16 = _mm512_set1_ps(off[r][(j - j0) >> 5]);
                 const __m512 lo_f32x16 = q8_0_f32x16_(q, big_f32x16, off_f32x16);
@@ -668,6 +674,110 @@ INLINE_ void term_decode_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t 
     }
 }
 
+/* The decode walk for nb positions (2 .. LORA_NB) of a Q8_0 M, outputs [i, i1) of one rank
+ * block of kn ranks from row k0: each 32 outputs build their values once a rank and feed one
+ * pair of chains per position (u[b * ldu + k] broadcast), which are term_tile_avx512_'s chains
+ * (from 0 over the block's ranks in order); the rows' scales are widened once for the range.
+ * total NULL: the block is the whole rank, and out_b = fma(chain, s_b, out_b) where s_b is not
+ * 0; otherwise position b's chains go to its strip total[b] (set at k0 = 0, added to after). */
+#define WALK_STRIP_ (DECODE_STRIP_ / LORA_NB)
+INLINE_ void term_walk_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int kn, int64_t i, int64_t i1,
+                                     const int nb, const float *u, int64_t ldu, const float *scale,
+                                     float *const *outs, int64_t obase, float (*total)[WALK_STRIP_]) {
+    const int64_t i_start = i, ib = i & ~(int64_t)31;
+    /* i1 - i <= WALK_STRIP_: at most WALK_STRIP_ / 32 + 1 blocks, written 16 at a time */
+    float big[LORA_KBLOCK][WALK_STRIP_ / 32 + 16] __attribute__((aligned(64)));
+    float off[LORA_KBLOCK][WALK_STRIP_ / 32 + 16] __attribute__((aligned(64)));
+    for (int k = 0; k < kn; k++) q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, big[k], off[k]);
+    /* the rows' next range (the next strip's call reads it): strips of a batch ask for a few
+     * lines of each row, too few for the hardware prefetchers to follow from memory */
+    for (int k = 0; k < kn; k++)
+        for (int64_t e = i1; e < i1 + (i1 - i_start) && e < ldm; e += 64)
+            _mm_prefetch((const char *)m.v + (k0 + k) * ldm + e, _MM_HINT_T0);
+    __m512 s_f32x16[LORA_NB];
+    for (int b = 0; b < nb; b++) s_f32x16[b] = _mm512_set1_ps(scale[b]);
+    while (i < i1) {
+        /* whole blocks of 32 outputs two vectors a step; a vector 16 into a block, or the last
+         * (masked) one, alone */
+        const int pair = !(i & 31) && i + 32 <= i1;
+        const int full = i + 16 <= i1;
+        const __mmask16 mask = full ? (__mmask16)0xffff : tail_mask_(i1 - i);
+        const int64_t blk = (i - ib) >> 5;
+        __m512 lo_f32x16[LORA_NB], hi_f32x16[LORA_NB];
+        for (int b = 0; b < nb; b++) lo_f32x16[b] = hi_f32x16[b] = _mm512_setzero_ps();
+        for (int k = 0; k < kn; k++) {
+            const uint8_t *q = (const uint8_t *)m.v + (k0 + k) * ldm + i;
+            const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk]), off_f32x16 = _mm512_set1_ps(off[k][blk]);
+            const __m512 lo_m_f32x16 = full ? q8_0_f32x16_(q, big_f32x16, off_f32x16)
+                                            : q8_0_masked_f32x16_(q, big_f32x16, off_f32x16, mask);
+            if (pair) {
+                const __m512 hi_m_f32x16 = q8_0_f32x16_(q + 16, big_f32x16, off_f32x16);
+                for (int b = 0; b < nb; b++) {
+                    const __m512 u_f32x16 = _mm512_set1_ps(u[b * ldu + k0 + k]);
+                    lo_f32x16[b] = _mm512_fmadd_ps(lo_m_f32x16, u_f32x16, lo_f32x16[b]);
+                    hi_f32x16[b] = _mm512_fmadd_ps(hi_m_f32x16, u_f32x16, hi_f32x16[b]);
+                }
+            } else {
+                for (int b = 0; b < nb; b++)
+                    lo_f32x16[b] = _mm512_fmadd_ps(lo_m_f32x16, _mm512_set1_ps(u[b * ldu + k0 + k]), lo_f32x16[b]);
+            }
+        }
+        for (int b = 0; b < nb; b++) {
+            if (!total && scale[b] == 0.0f) continue; /* as term_tile_avx512_: nothing written */
+            float *tb = total ? total[b] : NULL;
+            term_put_avx512_(lo_f32x16[b], i, i_start, k0, tb, outs[b], obase, s_f32x16[b], mask);
+            if (pair)
+                term_put_avx512_(hi_f32x16[b], i + 16, i_start, k0, tb, outs[b], obase, s_f32x16[b], mask);
+        }
+        i += pair ? 32 : 16;
+    }
+}
+
+/* term_walk_block_avx512_ with kn a constant for the common ranks */
+#define WALK_KN_CASE_(KN) \
+    case KN: term_walk_block_avx512_(m, ldm, k0, KN, i0, i1, nb, u, ldu, scale, outs, obase, total); break;
+INLINE_ void term_walk_block_any_avx512_(lora_run m, int64_t ldm, int64_t k0, int kn, int64_t i0, int64_t i1,
+                                         const int nb, const float *u, int64_t ldu, const float *scale,
+                                         float *const *outs, int64_t obase, float (*total)[WALK_STRIP_]) {
+    switch (kn) {
+    WALK_KN_CASE_(16) WALK_KN_CASE_(8)
+    default: term_walk_block_avx512_(m, ldm, k0, kn, i0, i1, nb, u, ldu, scale, outs, obase, total); break;
+    }
+}
+#undef WALK_KN_CASE_
+
+/* One Q8_0 term of nb positions (2 .. LORA_NB) over outputs [i0, i1) by the walk: term_tile_avx512_'s
+ * tiles widen a row's scales for every tile and ask for one row's 64 or 128 bytes after
+ * another, which the hardware prefetchers follow poorly from memory; the walk reads every row
+ * of a rank block in step.  The arithmetic is the tiles': past one rank block, total =
+ * (blk_0 + blk_1) + ..., out = fma(total, s, out), the totals waiting in strips in L1. */
+INLINE_ void term_walk_nb_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1, const int nb,
+                                  const float *u, int64_t ldu, const float *scale, float *const *outs,
+                                  int64_t obase) {
+    float total[LORA_NB][WALK_STRIP_] __attribute__((aligned(64)));
+    for (int64_t i = i0; i < i1; i += WALK_STRIP_) {
+        const int64_t n = i1 - i < WALK_STRIP_ ? i1 - i : WALK_STRIP_;
+        if (kdim <= LORA_KBLOCK) {
+            term_walk_block_any_avx512_(m, ldm, 0, (int)kdim, i, i + n, nb, u, ldu, scale, outs, obase, NULL);
+            continue;
+        }
+        for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
+            const int kn = (int)(kdim - k0 < LORA_KBLOCK ? kdim - k0 : LORA_KBLOCK);
+            term_walk_block_any_avx512_(m, ldm, k0, kn, i, i + n, nb, u, ldu, scale, outs, obase, total);
+        }
+        for (int b = 0; b < nb; b++) {
+            if (scale[b] == 0.0f) continue;
+            const __m512 s_f32x16 = _mm512_set1_ps(scale[b]);
+            for (int64_t j = 0; j < n; j += 16) {
+                const __mmask16 mask = j + 16 <= n ? (__mmask16)0xffff : tail_mask_(n - j);
+                float *o = outs[b] + (i + j - obase);
+                _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(_mm512_load_ps(total[b] + j), s_f32x16,
+                                                               _mm512_maskz_loadu_ps(mask, o)));
+            }
+        }
+    }
+}
+
 INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                       const int nb, const float *u, int64_t ldu, const float *scale,
                       float *const *outs, int64_t obase, const int f) {
@@ -677,6 +787,10 @@ INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t
      * scales took 1.6x the walk's time where M sits in L2, rank 32) */
     if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32 || f == LORA_FMT_Q8_0)) {
         term_decode_avx512_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, f);
+        return;
+    }
+    if (f == LORA_FMT_Q8_0) {
+        term_walk_nb_avx512_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, obase);
         return;
     }
     int64_t i = i0;
@@ -793,6 +907,8 @@ INLINE_ void load_run_(lora_run r, int64_t e, int64_t n, float *dst, const int f
     if (k < n) _mm512_mask_storeu_ps(dst + k, tail_mask_(n - k), run_masked_f32x16_(r, e + k, tail_mask_(n - k), f));
 }
 
+/* a batch holding a Q8_0 term goes in strips of term_walk_nb_avx512_'s length */
+#define Q8_0_BATCH_STRIP_ WALK_STRIP_
 #include "kernels_strip.h"
 #include "kernels_merge.h"
 

@@ -12,7 +12,12 @@
  * where outs[b] + (i - obase) is output i of position b.  It defines
  * terms_() and accumulate_(), the latter being what LORA_KERNEL_TABLE needs.
  * No include guard: every SIMD file compiles its own copy for its target.
+ * An ISA may define Q8_0_BATCH_STRIP_ (a multiple of 16, at most
+ * LORA_DECODE_STRIP / LORA_NB) for the strips of a batch holding a Q8_0 term.
  */
+#ifndef Q8_0_BATCH_STRIP_
+#define Q8_0_BATCH_STRIP_ LORA_STRIP
+#endif
 
 /* every term of a stack, in order, into the float32 outputs [i0, i1) */
 /* one case per storage format of the registry; a term's format was checked
@@ -43,8 +48,11 @@ INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1,
  * at outs[b] + (i - obase). */
 INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
                          void *const *outs, int64_t obase, const int ot) {
-    /* a decode's strips are longer: its tiles read every M row in long runs */
-    const int64_t len = nb == 1 ? LORA_DECODE_STRIP : LORA_STRIP;
+    /* a decode's strips are longer: its tiles read every M row in long runs; so are a batch's
+     * where the ISA walks Q8_0 terms (Q8_0_BATCH_STRIP_: each strip widens its rows' scales) */
+    int q8 = 0;
+    for (int q = 0; q < n_terms && Q8_0_BATCH_STRIP_ != LORA_STRIP; q++) q8 |= terms[q].fmt == LORA_FMT_Q8_0;
+    const int64_t len = nb == 1 ? LORA_DECODE_STRIP : q8 ? Q8_0_BATCH_STRIP_ : LORA_STRIP;
     if (ot == LORA_DTYPE_F32) {
         /* a strip of outputs stays in L1 while every term adds into it */
         for (int64_t i = i0; i < i1; i += len)

@@ -341,6 +341,30 @@ def test_threads_and_batches_keep_the_bits(isa):
     _same(one[17], alone)
 
 
+@pytest.mark.parametrize("rank", [16, 40])
+def test_batch_positions_at_scale_zero_keep_negative_zeros(isa, rank):
+    """A block of 2 to 4 positions whose per-position scales round to 0: those rows of out keep
+    their bits (a -0.0 that out = out + 0 * term would turn into +0.0), the others equal the
+    float32 path on the dequantized factors, over rows that cross many strips and a block edge
+    16 into a row (rows % 32 == 16)."""
+    rows, cols = 1040, 96
+    q, f = _pair(rank, rows, cols, 11, "q8_0", alpha=float(rank))
+    bank_q, bank_f = lora.LoraBank([q]), lora.LoraBank([f])
+    rng = np.random.default_rng(12)
+    for n in (2, 3, 4, 7):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        pos = rng.uniform(0.5, 1.5, n)
+        pos[0::4] = 0.0
+        pos[2::4] = 1e-300  # its float32 scale is 0 while the position stays in the block
+        for ot in DTYPES:
+            o1 = np.full((n, rows), -0.0, _np(ot))
+            o2 = o1.copy()
+            bank_q.add_batch_to(x, o1, np.zeros(n, np.int64), pos)
+            bank_f.add_batch_to(x, o2, np.zeros(n, np.int64), pos)
+            _same(o1, o2)
+            assert np.all(np.signbit(o1[::2].astype(np.float32)))
+
+
 def test_scale_zero_leaves_out_untouched(isa):
     q, _ = _pair(8, 40, 64, 10, "q8_0")
     q.scale.set(0.0)
