@@ -43,11 +43,11 @@ LLAMA2_7B = tuple((rows, cols) for _, rows, cols in SWEEP_PROJECTIONS)
 
 # (name, kind, rows, cols, ranks, dtype, batch or mode)
 ROWS = [(f"decode {r}x{c} r{k} {dt} {m}", "decode", r, c, [k], dt, m)
-        for m in ("cold", "warm") for dt in ("float32", "bfloat16")
+        for m in ("cold", "warm") for dt in ("float32", "bfloat16", "q8_0")
         for r, c, k in ((4096, 4096, 8), (4096, 4096, 16), (11008, 4096, 16), (4096, 4096, 64))]
 ROWS += [(f"prefill {r}x{c} r{k} {dt} b{n}", "prefill", r, c, [k], dt, n)
-         for dt in ("float32", "bfloat16") for r, c, k in ((4096, 4096, 16), (4096, 4096, 64))
-         for n in (8, 128, 512)]
+         for dt in ("float32", "bfloat16", "q8_0") for r, c, k in ((4096, 4096, 16), (4096, 4096, 64))
+         for n in (2, 3, 8, 128, 512)]
 ROWS += [(f"stack 4x r16 {dt} b{n}", "prefill", 4096, 4096, [16] * 4, dt, n)
          for dt in ("float32", "bfloat16") for n in (16, 128, 512)]
 ROWS += [(f"sweep {dt}", "sweep", 0, 0, [16], dt, None) for dt in ("float32", "bfloat16")]

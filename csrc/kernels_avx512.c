@@ -256,11 +256,6 @@ INLINE_ void load_x_pairs_(const void *x, int64_t j, __mmask32 mask, const int f
  * terms in ascending j, as the header says. */
 #define CHUNK_ 512
 #define KGROUP_ 32
-/* A Q8_0 row's values are asked for this many bytes ahead of the tile's loads: a chunk reads
- * only 512 bytes of each row before the next rows, and from memory the hardware prefetchers
- * then fetch too late (cold 4096 x 4096 rank-16 decode, one thread: ~8 % less time; 512
- * and 1024 bytes ahead were slower than 256) */
-#define Q8_0_PREFETCH_ 256
 
 /* nr ranks x nb positions (nr * nb <= 16) over columns [j0, j1) (whole
  * vectors); accumulators in state[r*nb + b] */
@@ -306,7 +301,6 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
             }
             for (int r = 0; r < nr; r++) {
                 const uint8_t *q = (const uint8_t *)a.v + (k + r) * lda + j;
-                _mm_prefetch((const char *)q + Q8_0_PREFETCH_, _MM_HINT_T0);
                 const __m512 big_f32x16 = _mm512_set1_ps(big[r][(j - j0) >> 5]);
                 const __m512 off_f32x16 = _mm512_set1_ps(off[r][(j - j0) >> 5]);
                 const __m512 lo_f32x16 = q8_0_f32x16_(q, big_f32x16, off_f32x16);
