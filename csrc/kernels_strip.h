@@ -51,7 +51,8 @@ INLINE_ void accumulate_(const lora_term *terms, int n_terms, int64_t i0, int64_
     /* a decode's strips are longer: its tiles read every M row in long runs; so are a batch's
      * where the ISA walks Q8_0 terms (Q8_0_BATCH_STRIP_: each strip widens its rows' scales) */
     int q8 = 0;
-    for (int q = 0; q < n_terms && Q8_0_BATCH_STRIP_ != LORA_STRIP; q++) q8 |= terms[q].fmt == LORA_FMT_Q8_0;
+    for (int q = 0; nb > 1 && Q8_0_BATCH_STRIP_ != LORA_STRIP && q < n_terms; q++)
+        q8 |= terms[q].fmt == LORA_FMT_Q8_0;
     const int64_t len = nb == 1 ? LORA_DECODE_STRIP : q8 ? Q8_0_BATCH_STRIP_ : LORA_STRIP;
     if (ot == LORA_DTYPE_F32) {
         /* a strip of outputs stays in L1 while every term adds into it */
