@@ -459,20 +459,7 @@ INLINE_ void term_tile_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t i,
                     m_f32x16[2 * p] = bf16_even_f32x16_(raw_bf16x32);
                     m_f32x16[2 * p + 1] = bf16_odd_f32x16_(raw_bf16x32);
                 }
-            } else if (f == LORA_FMT_Q8_0) {
-                /* the row's D and C over the tile's blocks (from output i & ~31), widened
-                 * once for its nv vectors */
-                float big[16] __attribute__((aligned(64))), off[16] __attribute__((aligned(64)));
-                const int64_t ib = i & ~(int64_t)31;
-                q8_0_scales_(m, (k * ldm + ib) / 32, (i + 16 * nv - ib + 31) / 32, big, off);
-                for (int v = 0; v < nv; v++) {
-                    const uint8_t *q = (const uint8_t *)m.v + k * ldm + i + 16 * v;
-                    const __m512 big_f32x16 = _mm512_set1_ps(big[(i + 16 * v - ib) >> 5]);
-                    const __m512 off_f32x16 = _mm512_set1_ps(off[(i + 16 * v - ib) >> 5]);
-                    m_f32x16[v] = v == nv - 1 ? q8_0_masked_f32x16_(q, big_f32x16, off_f32x16, last)
-                                              : q8_0_f32x16_(q, big_f32x16, off_f32x16);
-                }
-            } else {
+            } else { /* (a Q8_0 M never comes here: term_nb_ walks it) */
                 for (int v = 0; v < nv; v++)
                     m_f32x16[v] = v == nv - 1 ? run_masked_f32x16_(m, k * ldm + i + 16 * v, last, f)
                                               : run_f32x16_(m, k * ldm + i + 16 * v, f);
@@ -641,6 +628,15 @@ INLINE_ void term_block_any_avx512_(lora_run m, int64_t ldm, int64_t k0, int kn,
  * + ..., out = fma(total, s, out); past one rank block the running totals
  * wait in a strip in L1. */
 #define DECODE_STRIP_ 1024
+/* out[j] = fma(total[j], s, out[j]) for j < n: a strip of finished totals (64-byte aligned)
+ * into its outputs, the last vector masked */
+INLINE_ void totals_put_avx512_(const float *total, int64_t n, __m512 s_f32x16, float *out) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 mask = j + 16 <= n ? (__mmask16)0xffff : tail_mask_(n - j);
+        _mm512_mask_storeu_ps(out + j, mask, _mm512_fmadd_ps(_mm512_load_ps(total + j), s_f32x16,
+                                                             _mm512_maskz_loadu_ps(mask, out + j)));
+    }
+}
 INLINE_ void term_decode_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                           const float *u, float s, float *out, int64_t obase, const int f) {
     if (s == 0.0f) return; /* as term_tile_avx512_: a zero scale writes nothing */
@@ -659,12 +655,7 @@ INLINE_ void term_decode_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t 
             for (int k = 0; k < kn; k++) u_f32x16[k] = _mm512_set1_ps(u[k0 + k]);
             term_block_any_avx512_(m, ldm, k0, kn, i, i + n, u_f32x16, s_f32x16, out, obase, total, f);
         }
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = j + 16 <= n ? (__mmask16)0xffff : tail_mask_(n - j);
-            float *o = out + (i + j - obase);
-            _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(_mm512_load_ps(total + j), s_f32x16,
-                                                           _mm512_maskz_loadu_ps(mask, o)));
-        }
+        totals_put_avx512_(total, n, s_f32x16, out + (i - obase));
     }
 }
 
@@ -759,16 +750,8 @@ INLINE_ void term_walk_nb_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t
             const int kn = (int)(kdim - k0 < LORA_KBLOCK ? kdim - k0 : LORA_KBLOCK);
             term_walk_block_any_avx512_(m, ldm, k0, kn, i, i + n, nb, u, ldu, scale, outs, obase, total);
         }
-        for (int b = 0; b < nb; b++) {
-            if (scale[b] == 0.0f) continue;
-            const __m512 s_f32x16 = _mm512_set1_ps(scale[b]);
-            for (int64_t j = 0; j < n; j += 16) {
-                const __mmask16 mask = j + 16 <= n ? (__mmask16)0xffff : tail_mask_(n - j);
-                float *o = outs[b] + (i + j - obase);
-                _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(_mm512_load_ps(total[b] + j), s_f32x16,
-                                                               _mm512_maskz_loadu_ps(mask, o)));
-            }
-        }
+        for (int b = 0; b < nb; b++)
+            if (scale[b] != 0.0f) totals_put_avx512_(total[b], n, _mm512_set1_ps(scale[b]), outs[b] + (i - obase));
     }
 }
 
