@@ -284,6 +284,9 @@ static inline void lora_store_f32(void *p, int64_t i, float v, int dtype) {
  * portable reader below), bit for bit. */
 #define LORA_Q8_0_BIAS 0x80
 
+/* the int8 q of stored Q8_0 value e (its bias taken off), for the scalar readers */
+static inline int lora_q8_0_q(const void *v, int64_t e) { return (int)((const uint8_t *)v)[e] - LORA_Q8_0_BIAS; }
+
 /* value e of a factor run in format fmt, as float32 (exact): the portable
  * reader for code off the hot vector loops (statistics, the gather's rows of
  * B, exports); one case per registry format, the code checked first */
@@ -294,7 +297,7 @@ static inline float lora_run_load(lora_run r, int64_t e, int fmt) {
         return lora_load_f32(r.v, e, fmt); /* an element format: its dtype's value */
     case LORA_FMT_Q8_0:
         /* d * q: an 8-bit integer times a float16 is exact in float32 */
-        return (float)((int)((const uint8_t *)r.v)[e] - LORA_Q8_0_BIAS) * lora_f16_to_f32(r.d[e / 32]);
+        return (float)lora_q8_0_q(r.v, e) * lora_f16_to_f32(r.d[e / 32]);
     }
     LORA_UNREACHABLE();
     return 0.0f;

@@ -77,7 +77,7 @@ INLINE_ float load_f32_(const void *p, int64_t i, const int dt) {
 LORA_FORMATS_HANDLED(4, avx2_run_loads_know_f32_f16_bf16_q8_0);
 INLINE_ float run_f32_(lora_run r, int64_t e, const int f) {
     if (f == LORA_FMT_Q8_0)
-        return (float)((int)((const uint8_t *)r.v)[e] - LORA_Q8_0_BIAS) * _cvtsh_ss(r.d[e >> 5]);
+        return (float)lora_q8_0_q(r.v, e) * _cvtsh_ss(r.d[e >> 5]);
     return load_f32_(r.v, e, f);
 }
 

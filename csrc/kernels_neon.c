@@ -93,7 +93,7 @@ INLINE_ float32x4_t run_f32x4_(lora_run r, int64_t e, const int f) {
     if (f == LORA_FMT_Q8_0) {
         uint32_t raw;
         memcpy(&raw, (const uint8_t *)r.v + e, sizeof raw); /* 4 stored values, any alignment */
-        raw ^= 0x80808080u;                                  /* the bias off: 4 int8 q */
+        raw ^= LORA_Q8_0_BIAS * 0x01010101u;                 /* the bias off: 4 int8 q */
         const int16x8_t q_s16x8 = vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(raw)));
         const float32x4_t q_f32x4 = vcvtq_f32_s32(vmovl_s16(vget_low_s16(q_s16x8)));
         return vmulq_n_f32(q_f32x4, q8_0_scale_(r, e));
@@ -101,7 +101,7 @@ INLINE_ float32x4_t run_f32x4_(lora_run r, int64_t e, const int f) {
     return load_f32x4_(r.v, e, f);
 }
 INLINE_ float run_f32_(lora_run r, int64_t e, const int f) {
-    if (f == LORA_FMT_Q8_0) return (float)((int)((const uint8_t *)r.v)[e] - LORA_Q8_0_BIAS) * q8_0_scale_(r, e);
+    if (f == LORA_FMT_Q8_0) return (float)lora_q8_0_q(r.v, e) * q8_0_scale_(r, e);
     return load_f32_(r.v, e, f);
 }
 
