@@ -281,7 +281,9 @@ static inline void lora_store_f32(void *p, int64_t i, float v, int dtype) {
  * is a float16: 11 significant bits, at least 2^-24, so D >= 2^-9 and C spans
  * 19 bits), and q d is exact in float32, so the fma returns q d itself: the
  * same value as sign extension, int-to-float and a multiply by d (the
- * portable reader below), bit for bit. */
+ * portable reader below), bit for bit.  (That is the AVX-512 path's `shuffle`
+ * build; where its 512-bit ops run as two halves, as on Zen 4, the CPU table
+ * picks `cvt`, sign extension of b ^ 0x80: kernels_avx512.c, q8_0_f32x16_.) */
 #define LORA_Q8_0_BIAS 0x80
 
 /* the int8 q of stored Q8_0 value e (its bias taken off), for the scalar readers */

@@ -39,6 +39,7 @@ typedef struct {
     int model_lo, model_hi;   /* (extended model << 4) + model, inclusive */
     int isa;                  /* LORA_ISA_* or FLAGS_ */
     int team_floor_log2;      /* the measured team floor (team.c), 0: the default one */
+    int q8_0_widening;        /* LORA_Q8_0_WIDEN_*: how the AVX-512 path builds Q8_0 values */
     const char *name;
     const char *evidence;
 } core_row_;
@@ -52,17 +53,17 @@ typedef struct {
  * still measured fastest on avx512; its other models (Raphael 0x61, Bergamo
  * 0xa0, ...) keep the flags rule without a row until someone measures them. */
 static const core_row_ CORES_[] = {
-    {"GenuineIntel", 6, 106, 106, FLAGS_, 0, "Ice Lake-SP",
+    {"GenuineIntel", 6, 106, 106, FLAGS_, 0, LORA_Q8_0_WIDEN_SHUFFLE, "Ice Lake-SP",
      "docs/performance.md 'One full run on an Intel Ice Lake-SP': every row on avx512 "
      "(no avx2 run recorded to compare)"},
-    {"AuthenticAMD", 25, 1, 1, FLAGS_, 0, "Zen 3 (Milan)",
+    {"AuthenticAMD", 25, 1, 1, FLAGS_, 0, LORA_Q8_0_WIDEN_SHUFFLE, "Zen 3 (Milan)",
      "no AVX-512; docs/performance.md 'ISA paths by CPU': bench.py --isa-compare, "
      "avx2 fastest on 4/4 rows"},
-    {"AuthenticAMD", 25, 17, 17, FLAGS_, 17, "Zen 4 (Genoa)",
+    {"AuthenticAMD", 25, 17, 17, FLAGS_, 17, LORA_Q8_0_WIDEN_CVT, "Zen 4 (Genoa)",
      "AVX-512 on 256-bit units; docs/performance.md 'ISA paths by CPU': bench.py --isa-compare, "
      "avx512 fastest on 4/4 rows, avx2 1.27x its time; bench.py --team-compare: with a team "
      "from 2^17 multiply-adds a cold decode sweep takes 0.63-0.80x (f32), 0.83-0.84x (bf16) its "
-     "time at 2^18"},
+     "time at 2^18; Q8_0 values by conversion: docs/performance.md 'Building Q8_0 values'"},
 };
 #define N_CORES_ ((int)(sizeof CORES_ / sizeof CORES_[0]))
 
@@ -112,6 +113,22 @@ int lora_isa_for_cpu(const char *vendor, int family, int model, int flags_best,
     if (row && row->isa != FLAGS_ && x86 && row->isa >= LORA_ISA_SCALAR && row->isa <= flags_best)
         return row->isa;
     return flags_best;
+}
+
+/* The Q8_0 build of the AVX-512 hot loops (kernels_avx512.c, q8_0_f32x16_): the CPU table's
+ * for this core, else shuffle, the one measured on Intel's cores.  Either gives the same bits;
+ * lora_set_q8_0_widening replaces it (tests run both). */
+static int g_q8_0_widening = LORA_Q8_0_WIDEN_SHUFFLE;
+
+int lora_q8_0_widening_for_cpu(const char *vendor, int family, int model) {
+    const core_row_ *row = core_row_for_(vendor, family, model);
+    return row ? row->q8_0_widening : LORA_Q8_0_WIDEN_SHUFFLE;
+}
+int lora_q8_0_widening(void) { return __atomic_load_n(&g_q8_0_widening, __ATOMIC_RELAXED); }
+int lora_set_q8_0_widening(int w) {
+    if (w != LORA_Q8_0_WIDEN_SHUFFLE && w != LORA_Q8_0_WIDEN_CVT) return LORA_ERR_ARG;
+    __atomic_store_n(&g_q8_0_widening, w, __ATOMIC_RELAXED);
+    return LORA_OK;
 }
 
 int64_t lora_team_floor_for_cpu(const char *vendor, int family, int model) {
@@ -171,6 +188,7 @@ static void lora_isa_init_(void) {
     lora_cpu_id(vendor, &family, &model, &stepping);
     const int flags = lora_best_isa();
     const int isa = lora_isa_for_cpu(vendor, family, model, flags, NULL, NULL);
+    g_q8_0_widening = lora_q8_0_widening_for_cpu(vendor, family, model);
     if (isa != flags && use_path_(isa) == LORA_OK) {
         g_source = LORA_ISA_FROM_TABLE;
     } else {

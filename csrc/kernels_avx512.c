@@ -6,7 +6,8 @@
  * Instructions: vfmadd231ps on 16-lane zmm registers; float16 storage is
  * widened with vcvtph2ps; Q8_0 storage 16 biased bytes a broadcast load, set
  * into the bits of 1.0f by one vpshufb and made d * q by one vfmsub (exact;
- * formats.h); bfloat16 storage 32 values per 64-byte load, split
+ * formats.h), or, where the CPU table says so (Zen 4), sign-extended, converted
+ * and multiplied by d (q8_0_f32x16_: the same values); bfloat16 storage 32 values per 64-byte load, split
  * into its even- and odd-indexed values by two vpshufb (exact, port 5, off
  * the FMA port; see bf16_even_f32x16_), or with vpmovzxwd + vpslld 16 for
  * 16-value tiles, tails and by-row terms.  Packed rows start on 64-byte lines
@@ -112,6 +113,12 @@ INLINE_ float hsum_f32x16_(__m512 v) {
  * step by 16), so 16 values never straddle two blocks: one scale a vector. */
 LORA_FORMATS_HANDLED(4, avx512_run_loads_know_f32_f16_bf16_q8_0);
 
+/* a Q8_0 factor's format code in the hot loops: LORA_FMT_Q8_0, or Q8_0_CVT_ where the CPU
+ * table builds its values by conversion (see q8_0_f32x16_) */
+#define Q8_0_CVT_ (LORA_FMT_Q8_0 | 0x40)
+LORA_STATIC_ASSERT(Q8_0_CVT_ >= LORA_FMT_COUNT, q8_0_cvt_code_is_no_format);
+INLINE_ int q8_(const int f) { return f == LORA_FMT_Q8_0 || f == Q8_0_CVT_; }
+
 /* The two constants of formats.h's biased load from float16 scales d widened to float32:
  * D = d 2^15 and C = D + D 2^-8 (both exact), lane for lane */
 INLINE_ void q8_0_big_off_f32x16_(__m512 d_f32x16, __m512 *big_f32x16, __m512 *off_f32x16) {
@@ -139,7 +146,7 @@ INLINE_ __m512 q8_0_values_f32x16_(__m512i raw_u8x16x4, __m512 big_f32x16, __m51
 }
 
 INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) {
-    if (f == LORA_FMT_Q8_0) {
+    if (q8_(f)) {
         __m512 big_f32x16, off_f32x16;
         q8_0_big_off_(r.d[e >> 5], &big_f32x16, &off_f32x16);
         const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)((const uint8_t *)r.v + e)));
@@ -148,36 +155,72 @@ INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) {
     return load_f32x16_(r.v, e, f);
 }
 
+/* The hot loops build Q8_0 values one of two ways, the same values bit for bit (both exact):
+ *   shuffle  formats.h's biased load, one vpshufb and one vfmsub a vector (above): two uops
+ *            where Intel's 512-bit ports are wide (a 2-vCPU Sapphire Rapids class Xeon ran a
+ *            hot decode at 0.72-0.78x bfloat16's time this way);
+ *   cvt      sign extension (vpmovsxbd of the bytes less their bias), int-to-float and a
+ *            multiply by d: one more uop, but on AMD Zen 4, which runs a 512-bit op as two
+ *            256-bit halves, the shuffle and the fmsub queue behind the FMAs on the same
+ *            pipes, and the cvt build ran the hot B loop 1.38x faster (0.77 against 1.06 ns
+ *            a vector of 16, 4096 x 16 values in L2; docs/performance.md).
+ * The CPU table (isa.c, lora_q8_0_widening) picks one per core; the hot loops take it as
+ * their format code: LORA_FMT_Q8_0 for shuffle, Q8_0_CVT_ (this file's own code) for cvt,
+ * dispatched once a term or a projection (term_nb_, project_).  Off the hot loops (tails of
+ * run_*, by-row terms, loads) a Q8_0 value is always built the shuffle way. */
+
 /* The hot loops' Q8_0 load: 16 values from q (a multiple of 16 into its row), their block's
- * D and C already float32 (q8_0_scales_ widens a tile's scales once, so each vector pays two
- * broadcasts from L1, one folded into the fmsub, instead of converting the float16) */
-INLINE_ __m512 q8_0_f32x16_(const uint8_t *q, __m512 big_f32x16, __m512 off_f32x16) {
+ * constants already float32 (q8_0_scales_ widens a tile's scales once, so each vector pays
+ * broadcasts from L1 instead of converting the float16): D and C for shuffle, d (big) for cvt */
+INLINE_ __m512 q8_0_f32x16_(const uint8_t *q, __m512 big_f32x16, __m512 off_f32x16, const int f) {
+    if (f == Q8_0_CVT_) {
+        const __m128i b_u8x16 = _mm_loadu_si128((const __m128i *)q);
+        const __m512i q_i32x16 = _mm512_cvtepi8_epi32(_mm_xor_si128(b_u8x16, _mm_set1_epi8((char)LORA_Q8_0_BIAS)));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(q_i32x16), big_f32x16);
+    }
     const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
     return q8_0_values_f32x16_(raw, big_f32x16, off_f32x16, (__mmask16)0xffff);
 }
 /* the same under a mask (the lanes left out read as 0; no byte past them is read) */
-INLINE_ __m512 q8_0_masked_f32x16_(const uint8_t *q, __m512 big_f32x16, __m512 off_f32x16, __mmask16 mask) {
+INLINE_ __m512 q8_0_masked_f32x16_(const uint8_t *q, __m512 big_f32x16, __m512 off_f32x16, __mmask16 mask,
+                                   const int f) {
+    if (f == Q8_0_CVT_) {
+        const __m128i b_u8x16 = _mm_maskz_loadu_epi8(mask, q);
+        const __m512i q_i32x16 = _mm512_cvtepi8_epi32(_mm_xor_si128(b_u8x16, _mm_set1_epi8((char)LORA_Q8_0_BIAS)));
+        return _mm512_maskz_mul_ps(mask, _mm512_cvtepi32_ps(q_i32x16), big_f32x16);
+    }
     const __m512i raw = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(mask, q));
     return q8_0_values_f32x16_(raw, big_f32x16, off_f32x16, mask);
 }
 
-/* D and C (q8_0_big_off_) of n consecutive Q8_0 blocks from block b0 of a factor (big and off
- * hold n rounded up to 16) */
-INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *big, float *off) {
+/* The block constants of n consecutive Q8_0 blocks from block b0 of a factor for build f: D
+ * and C (q8_0_big_off_) for shuffle, d widened to float32 in big for cvt (off unused); big and
+ * off hold n rounded up to 16 */
+INLINE_ void q8_0_scales_(lora_run r, int64_t b0, int64_t n, float *big, float *off, const int f) {
     for (int64_t s = 0; s < n; s += 16) {
         const __mmask16 m = n - s >= 16 ? (__mmask16)0xffff : tail_mask_(n - s);
+        const __m512 d_f32x16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r.d + b0 + s));
+        if (f == Q8_0_CVT_) {
+            _mm512_storeu_ps(big + s, d_f32x16);
+            continue;
+        }
         __m512 big_f32x16, off_f32x16;
-        q8_0_big_off_f32x16_(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, r.d + b0 + s)), &big_f32x16, &off_f32x16);
+        q8_0_big_off_f32x16_(d_f32x16, &big_f32x16, &off_f32x16);
         _mm512_storeu_ps(big + s, big_f32x16);
         _mm512_storeu_ps(off + s, off_f32x16);
     }
 }
 
+/* block blk's C broadcast for build f (cvt has none: q8_0_scales_ leaves off unwritten) */
+INLINE_ __m512 q8_0_off_(const float *off, int64_t blk, const int f) {
+    return f == Q8_0_CVT_ ? _mm512_setzero_ps() : _mm512_set1_ps(off[blk]);
+}
+
 INLINE_ __m512 run_masked_f32x16_(lora_run r, int64_t e, __mmask16 mask, const int f) {
-    if (f == LORA_FMT_Q8_0) {
+    if (q8_(f)) {
         __m512 big_f32x16, off_f32x16;
         q8_0_big_off_(r.d[e >> 5], &big_f32x16, &off_f32x16);
-        return q8_0_masked_f32x16_((const uint8_t *)r.v + e, big_f32x16, off_f32x16, mask);
+        return q8_0_masked_f32x16_((const uint8_t *)r.v + e, big_f32x16, off_f32x16, mask, LORA_FMT_Q8_0);
     }
     return load_masked_f32x16_(r.v, e, mask, f);
 }
@@ -284,14 +327,14 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
         for (int i = 0; i < nr * nb; i++) state[i] = acc_f32x16[i];
         return;
     }
-    if (f == LORA_FMT_Q8_0) {
+    if (q8_(f)) {
         /* the tile's rows' D and C over the chunk, widened once (j0 is a multiple of 32: chunks
          * start at multiples of CHUNK_ within column blocks of LORA_JBLOCK); a block's two
          * vectors in one step, so each row broadcasts its D and C once a block.  Lane l still
          * adds column j + l before j + 16 + l: each chain's order is the float32 path's. */
         float big[8][CHUNK_ / 32 + 16] __attribute__((aligned(64)));
         float off[8][CHUNK_ / 32 + 16] __attribute__((aligned(64)));
-        for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + j0) / 32, (j1 - j0 + 31) / 32, big[r], off[r]);
+        for (int r = 0; r < nr; r++) q8_0_scales_(a, ((k + r) * lda + j0) / 32, (j1 - j0 + 31) / 32, big[r], off[r], f);
         int64_t j = j0;
         for (; j + 32 <= j1; j += 32) {
             __m512 x_lo_f32x16[4], x_hi_f32x16[4];
@@ -302,9 +345,9 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
             for (int r = 0; r < nr; r++) {
                 const uint8_t *q = (const uint8_t *)a.v + (k + r) * lda + j;
                 const __m512 big_f32x16 = _mm512_set1_ps(big[r][(j - j0) >> 5]);
-                const __m512 off_f32x16 = _mm512_set1_ps(off[r][(j - j0) >> 5]);
-                const __m512 lo_f32x16 = q8_0_f32x16_(q, big_f32x16, off_f32x16);
-                const __m512 hi_f32x16 = q8_0_f32x16_(q + 16, big_f32x16, off_f32x16);
+                const __m512 off_f32x16 = q8_0_off_(off[r], (j - j0) >> 5, f);
+                const __m512 lo_f32x16 = q8_0_f32x16_(q, big_f32x16, off_f32x16, f);
+                const __m512 hi_f32x16 = q8_0_f32x16_(q + 16, big_f32x16, off_f32x16, f);
                 for (int b = 0; b < nb; b++) {
                     const __m512 lo_sum_f32x16 = _mm512_fmadd_ps(lo_f32x16, x_lo_f32x16[b], acc_f32x16[r * nb + b]);
                     acc_f32x16[r * nb + b] = _mm512_fmadd_ps(hi_f32x16, x_hi_f32x16[b], lo_sum_f32x16);
@@ -317,7 +360,7 @@ INLINE_ void project_chunk_avx512_(lora_run a, int64_t lda, int64_t k, int64_t j
             for (int r = 0; r < nr; r++) {
                 const __m512 a_f32x16 = q8_0_f32x16_((const uint8_t *)a.v + (k + r) * lda + j,
                                                      _mm512_set1_ps(big[r][(j - j0) >> 5]),
-                                                     _mm512_set1_ps(off[r][(j - j0) >> 5]));
+                                                     q8_0_off_(off[r], (j - j0) >> 5, f), f);
                 for (int b = 0; b < nb; b++)
                     acc_f32x16[r * nb + b] = _mm512_fmadd_ps(a_f32x16, x_f32x16[b], acc_f32x16[r * nb + b]);
             }
@@ -420,15 +463,25 @@ INLINE_ void project_nb_avx512_(lora_run a, int64_t lda, int64_t cols, int64_t k
     }
 }
 
-INLINE_ void project_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
-                      int nb, const void *const *xs, float *t, int64_t ldt, const int f,
-                      const int xt) {
+INLINE_ void project_f_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                        int nb, const void *const *xs, float *t, int64_t ldt, const int f,
+                        const int xt) {
     switch (nb) {  /* constant nb lets the compiler keep every accumulator in a register */
     case 1: project_nb_avx512_(a, lda, cols, k0, k1, 1, xs, t, ldt, f, xt); break;
     case 2: project_nb_avx512_(a, lda, cols, k0, k1, 2, xs, t, ldt, f, xt); break;
     case 3: project_nb_avx512_(a, lda, cols, k0, k1, 3, xs, t, ldt, f, xt); break;
     default: project_nb_avx512_(a, lda, cols, k0, k1, 4, xs, t, ldt, f, xt); break;
     }
+}
+
+/* project_f_ with a Q8_0 A built the CPU table's way (q8_0_f32x16_) */
+INLINE_ void project_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
+                      int nb, const void *const *xs, float *t, int64_t ldt, const int f,
+                      const int xt) {
+    if (f == LORA_FMT_Q8_0 && lora_q8_0_widening() == LORA_Q8_0_WIDEN_CVT)
+        project_f_(a, lda, cols, k0, k1, nb, xs, t, ldt, Q8_0_CVT_, xt);
+    else
+        project_f_(a, lda, cols, k0, k1, nb, xs, t, ldt, f, xt);
 }
 
 /* outputs i .. i + 16*nv of nb positions (the last vector masked by `last`),
@@ -514,6 +567,12 @@ INLINE_ void term_put_avx512_(__m512 acc_f32x16, int64_t i, int64_t i_start, int
 }
 
 #define Q8_0_STRIP_BLOCKS_ (LORA_DECODE_STRIP / 32 + 17)
+/* A Q8_0 decode asks for each row's line this many bytes ahead of the one it reads: on a Zen 4
+ * a model sweep of q8_0 deltas from memory took 0.72x (0.68-0.92) of its time without it, paired
+ * in one process (build_ab.py, 9 rounds); decodes from L2 unchanged (0.99-1.01).  Sixteen rows
+ * of one-byte values move 64 outputs a line, and half the bytes of bfloat16 left the hardware
+ * prefetchers too few misses a row to run ahead of the arithmetic. */
+#define Q8_0_DECODE_AHEAD_ 512
 
 /* term_block_avx512_'s outputs [i, i1), a vector of 16 at a time (the last one masked), each
  * with its whole chain over the block's kn ranks; a Q8_0 M's D and C are big/off[k][(i - ib) / 32] */
@@ -529,8 +588,8 @@ INLINE_ void term_vecs_avx512_(lora_run m, int64_t ldm, int64_t k0, const int kn
             const int64_t e = (k0 + k) * ldm + i;
             const __m512 m_f32x16 =
                 !full ? run_masked_f32x16_(m, e, mask, f)
-                : f == LORA_FMT_Q8_0 ? q8_0_f32x16_((const uint8_t *)m.v + e, _mm512_set1_ps(big[k][(i - ib) >> 5]),
-                                                    _mm512_set1_ps(off[k][(i - ib) >> 5]))
+                : q8_(f) ? q8_0_f32x16_((const uint8_t *)m.v + e, _mm512_set1_ps(big[k][(i - ib) >> 5]),
+                                        q8_0_off_(off[k], (i - ib) >> 5, f), f)
                 : run_f32x16_(m, e, f);
             acc_f32x16 = _mm512_fmadd_ps(m_f32x16, u_f32x16[k], acc_f32x16);
         }
@@ -557,9 +616,9 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
     float big[LORA_KBLOCK][Q8_0_STRIP_BLOCKS_] __attribute__((aligned(64)));
     float off[LORA_KBLOCK][Q8_0_STRIP_BLOCKS_] __attribute__((aligned(64)));
     const int64_t ib = i & ~(int64_t)31;
-    if (f == LORA_FMT_Q8_0)
+    if (q8_(f))
         for (int k = 0; k < kn; k++)
-            q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, big[k], off[k]);
+            q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, big[k], off[k], f);
     if (f == LORA_DTYPE_BF16) {
         for (; i + 32 <= i1; i += 32) {
             __m512 even_f32x16 = _mm512_setzero_ps(), odd_f32x16 = _mm512_setzero_ps();
@@ -581,20 +640,42 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
             _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(hi_f32x16, s_f32x16, _mm512_loadu_ps(o + 16)));
         }
     }
-    if (f == LORA_FMT_Q8_0) {
-        /* a whole block of 32 outputs a step: two independent chains (each output's chain
-         * unchanged) sharing the block's D and C.  A first vector 16 into a block goes alone. */
+    if (q8_(f)) {
+        /* two whole blocks of 64 outputs a step: four independent chains (each output's chain
+         * unchanged), each pair sharing its block's constants: a Zen 4's FMA latency over two
+         * chains left its pipes idle (the cvt build's hot B loop took 0.91 against 0.77 ns a
+         * vector on two), then one block of 32.  A first vector 16 into a block goes alone. */
         const int64_t first = (i & 31) && i + 16 <= i1 ? i + 16 : i;
         term_vecs_avx512_(m, ldm, k0, kn, i, first, u_f32x16, s_f32x16, out, obase, total, i_start, f, ib,
                           (const float (*)[Q8_0_STRIP_BLOCKS_])big, (const float (*)[Q8_0_STRIP_BLOCKS_])off);
-        for (i = first; i + 32 <= i1; i += 32) {
+        for (i = first; i + 64 <= i1; i += 64) { /* one line of each row a step */
+            __m512 acc_f32x16[4];
+            for (int v = 0; v < 4; v++) acc_f32x16[v] = _mm512_setzero_ps();
+            const int64_t blk = (i - ib) >> 5;
+            for (int k = 0; k < kn; k++) {
+                const uint8_t *q = (const uint8_t *)m.v + (k0 + k) * ldm + i;
+                if (i + Q8_0_DECODE_AHEAD_ < ldm) _mm_prefetch((const char *)q + Q8_0_DECODE_AHEAD_, _MM_HINT_T0);
+                for (int h = 0; h < 2; h++) {
+                    const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk + h]);
+                    const __m512 off_f32x16 = q8_0_off_(off[k], blk + h, f);
+                    acc_f32x16[2 * h] = _mm512_fmadd_ps(q8_0_f32x16_(q + 32 * h, big_f32x16, off_f32x16, f),
+                                                        u_f32x16[k], acc_f32x16[2 * h]);
+                    acc_f32x16[2 * h + 1] = _mm512_fmadd_ps(q8_0_f32x16_(q + 32 * h + 16, big_f32x16, off_f32x16, f),
+                                                            u_f32x16[k], acc_f32x16[2 * h + 1]);
+                }
+            }
+            for (int v = 0; v < 4; v++)
+                term_put_avx512_(acc_f32x16[v], i + 16 * v, i_start, k0, total, out, obase, s_f32x16,
+                                 (__mmask16)0xffff);
+        }
+        for (; i + 32 <= i1; i += 32) {
             __m512 lo_f32x16 = _mm512_setzero_ps(), hi_f32x16 = _mm512_setzero_ps();
             const int64_t blk = (i - ib) >> 5;
             for (int k = 0; k < kn; k++) {
                 const uint8_t *q = (const uint8_t *)m.v + (k0 + k) * ldm + i;
-                const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk]), off_f32x16 = _mm512_set1_ps(off[k][blk]);
-                lo_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q, big_f32x16, off_f32x16), u_f32x16[k], lo_f32x16);
-                hi_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q + 16, big_f32x16, off_f32x16), u_f32x16[k], hi_f32x16);
+                const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk]), off_f32x16 = q8_0_off_(off[k], blk, f);
+                lo_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q, big_f32x16, off_f32x16, f), u_f32x16[k], lo_f32x16);
+                hi_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q + 16, big_f32x16, off_f32x16, f), u_f32x16[k], hi_f32x16);
             }
             term_put_avx512_(lo_f32x16, i, i_start, k0, total, out, obase, s_f32x16, (__mmask16)0xffff);
             term_put_avx512_(hi_f32x16, i + 16, i_start, k0, total, out, obase, s_f32x16, (__mmask16)0xffff);
@@ -668,12 +749,12 @@ INLINE_ void term_decode_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t 
 #define WALK_STRIP_ (DECODE_STRIP_ / LORA_NB)
 INLINE_ void term_walk_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int kn, int64_t i, int64_t i1,
                                      const int nb, const float *u, int64_t ldu, const float *scale,
-                                     float *const *outs, int64_t obase, float (*total)[WALK_STRIP_]) {
+                                     float *const *outs, int64_t obase, float (*total)[WALK_STRIP_], const int f) {
     const int64_t i_start = i, ib = i & ~(int64_t)31;
     /* i1 - i <= WALK_STRIP_: at most WALK_STRIP_ / 32 + 1 blocks, written 16 at a time */
     float big[LORA_KBLOCK][WALK_STRIP_ / 32 + 16] __attribute__((aligned(64)));
     float off[LORA_KBLOCK][WALK_STRIP_ / 32 + 16] __attribute__((aligned(64)));
-    for (int k = 0; k < kn; k++) q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, big[k], off[k]);
+    for (int k = 0; k < kn; k++) q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, big[k], off[k], f);
     /* the rows' next range (the next strip's call reads it): strips of a batch ask for a few
      * lines of each row, too few for the hardware prefetchers to follow from memory */
     for (int k = 0; k < kn; k++)
@@ -692,11 +773,11 @@ INLINE_ void term_walk_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const 
         for (int b = 0; b < nb; b++) lo_f32x16[b] = hi_f32x16[b] = _mm512_setzero_ps();
         for (int k = 0; k < kn; k++) {
             const uint8_t *q = (const uint8_t *)m.v + (k0 + k) * ldm + i;
-            const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk]), off_f32x16 = _mm512_set1_ps(off[k][blk]);
-            const __m512 lo_m_f32x16 = full ? q8_0_f32x16_(q, big_f32x16, off_f32x16)
-                                            : q8_0_masked_f32x16_(q, big_f32x16, off_f32x16, mask);
+            const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk]), off_f32x16 = q8_0_off_(off[k], blk, f);
+            const __m512 lo_m_f32x16 = full ? q8_0_f32x16_(q, big_f32x16, off_f32x16, f)
+                                            : q8_0_masked_f32x16_(q, big_f32x16, off_f32x16, mask, f);
             if (pair) {
-                const __m512 hi_m_f32x16 = q8_0_f32x16_(q + 16, big_f32x16, off_f32x16);
+                const __m512 hi_m_f32x16 = q8_0_f32x16_(q + 16, big_f32x16, off_f32x16, f);
                 for (int b = 0; b < nb; b++) {
                     const __m512 u_f32x16 = _mm512_set1_ps(u[b * ldu + k0 + k]);
                     lo_f32x16[b] = _mm512_fmadd_ps(lo_m_f32x16, u_f32x16, lo_f32x16[b]);
@@ -720,13 +801,14 @@ INLINE_ void term_walk_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const 
 
 /* term_walk_block_avx512_ with kn a constant for the common ranks */
 #define WALK_KN_CASE_(KN) \
-    case KN: term_walk_block_avx512_(m, ldm, k0, KN, i0, i1, nb, u, ldu, scale, outs, obase, total); break;
+    case KN: term_walk_block_avx512_(m, ldm, k0, KN, i0, i1, nb, u, ldu, scale, outs, obase, total, f); break;
 INLINE_ void term_walk_block_any_avx512_(lora_run m, int64_t ldm, int64_t k0, int kn, int64_t i0, int64_t i1,
                                          const int nb, const float *u, int64_t ldu, const float *scale,
-                                         float *const *outs, int64_t obase, float (*total)[WALK_STRIP_]) {
+                                         float *const *outs, int64_t obase, float (*total)[WALK_STRIP_],
+                                         const int f) {
     switch (kn) {
     WALK_KN_CASE_(16) WALK_KN_CASE_(8)
-    default: term_walk_block_avx512_(m, ldm, k0, kn, i0, i1, nb, u, ldu, scale, outs, obase, total); break;
+    default: term_walk_block_avx512_(m, ldm, k0, kn, i0, i1, nb, u, ldu, scale, outs, obase, total, f); break;
     }
 }
 #undef WALK_KN_CASE_
@@ -738,36 +820,36 @@ INLINE_ void term_walk_block_any_avx512_(lora_run m, int64_t ldm, int64_t k0, in
  * (blk_0 + blk_1) + ..., out = fma(total, s, out), the totals waiting in strips in L1. */
 INLINE_ void term_walk_nb_avx512_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1, const int nb,
                                   const float *u, int64_t ldu, const float *scale, float *const *outs,
-                                  int64_t obase) {
+                                  int64_t obase, const int f) {
     float total[LORA_NB][WALK_STRIP_] __attribute__((aligned(64)));
     for (int64_t i = i0; i < i1; i += WALK_STRIP_) {
         const int64_t n = i1 - i < WALK_STRIP_ ? i1 - i : WALK_STRIP_;
         if (kdim <= LORA_KBLOCK) {
-            term_walk_block_any_avx512_(m, ldm, 0, (int)kdim, i, i + n, nb, u, ldu, scale, outs, obase, NULL);
+            term_walk_block_any_avx512_(m, ldm, 0, (int)kdim, i, i + n, nb, u, ldu, scale, outs, obase, NULL, f);
             continue;
         }
         for (int64_t k0 = 0; k0 < kdim; k0 += LORA_KBLOCK) {
             const int kn = (int)(kdim - k0 < LORA_KBLOCK ? kdim - k0 : LORA_KBLOCK);
-            term_walk_block_any_avx512_(m, ldm, k0, kn, i, i + n, nb, u, ldu, scale, outs, obase, total);
+            term_walk_block_any_avx512_(m, ldm, k0, kn, i, i + n, nb, u, ldu, scale, outs, obase, total, f);
         }
         for (int b = 0; b < nb; b++)
             if (scale[b] != 0.0f) totals_put_avx512_(total[b], n, _mm512_set1_ps(scale[b]), outs[b] + (i - obase));
     }
 }
 
-INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
-                      const int nb, const float *u, int64_t ldu, const float *scale,
-                      float *const *outs, int64_t obase, const int f) {
+INLINE_ void term_nb_f_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                        const int nb, const float *u, int64_t ldu, const float *scale,
+                        float *const *outs, int64_t obase, const int f) {
     /* a decode walks M in order (term_decode_avx512_); past one rank block a half M keeps the
      * tiles, whose even/odd and per-16 widenings the walk's strip of totals slowed by
      * 19 % where M sits in L2 (bfloat16 rank 64), and a Q8_0 M walks (its tiles' per-row
      * scales took 1.6x the walk's time where M sits in L2, rank 32) */
-    if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32 || f == LORA_FMT_Q8_0)) {
+    if (nb == 1 && (kdim <= LORA_KBLOCK || f == LORA_DTYPE_F32 || q8_(f))) {
         term_decode_avx512_(m, ldm, kdim, i0, i1, u, scale[0], outs[0], obase, f);
         return;
     }
-    if (f == LORA_FMT_Q8_0) {
-        term_walk_nb_avx512_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, obase);
+    if (q8_(f)) {
+        term_walk_nb_avx512_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, obase, f);
         return;
     }
     int64_t i = i0;
@@ -784,6 +866,16 @@ INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t
         term_tile_avx512_(m, ldm, kdim, i, 1, (__mmask16)0xffff, nb, u, ldu, scale, outs, obase, f, 0);
     if (i < i1)
         term_tile_avx512_(m, ldm, kdim, i, 1, tail_mask_(i1 - i), nb, u, ldu, scale, outs, obase, f, 0);
+}
+
+/* term_nb_f_ with a Q8_0 M built the CPU table's way (q8_0_f32x16_) */
+INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
+                      const int nb, const float *u, int64_t ldu, const float *scale,
+                      float *const *outs, int64_t obase, const int f) {
+    if (f == LORA_FMT_Q8_0 && lora_q8_0_widening() == LORA_Q8_0_WIDEN_CVT)
+        term_nb_f_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, obase, Q8_0_CVT_);
+    else
+        term_nb_f_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, obase, f);
 }
 
 #include "kernels_quads.h"

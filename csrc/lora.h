@@ -85,6 +85,16 @@ int lora_cpu_id(char *vendor, int *family, int *model, int *stepping);
  * = the table row's, or NULL for a CPU without one */
 int lora_isa_for_cpu(const char *vendor, int family, int model, int flags_best,
                      const char **name, const char **evidence);
+/* How the AVX-512 path's hot loops build Q8_0 values (the same bits either way; isa.c's
+ * CPU table picks one per core): LORA_Q8_0_WIDEN_SHUFFLE (one byte shuffle into the bits of
+ * 1.0f and one fused multiply-subtract, formats.h) or LORA_Q8_0_WIDEN_CVT (sign extension,
+ * int-to-float, a multiply by the scale) */
+#define LORA_Q8_0_WIDEN_SHUFFLE 0
+#define LORA_Q8_0_WIDEN_CVT 1
+int lora_q8_0_widening(void);           /* the build in use */
+int lora_set_q8_0_widening(int w);      /* LORA_OK, or LORA_ERR_ARG for an unknown one */
+/* the build the CPU table gives a CPU with this id (LORA_Q8_0_WIDEN_SHUFFLE without a row) */
+int lora_q8_0_widening_for_cpu(const char *vendor, int family, int model);
 const char *lora_compiler(void);        /* the compiler that built the extension */
 /* LORA_JBLOCK (kernels.h): the projection sums a row in blocks of this many columns */
 int64_t lora_project_column_block(void);

@@ -155,6 +155,60 @@ def _apply_env_isa():
 
 _apply_env_isa()
 
+Q8_0_WIDENINGS = {"shuffle": lib.LORA_Q8_0_WIDEN_SHUFFLE, "cvt": lib.LORA_Q8_0_WIDEN_CVT}
+_Q8_0_WIDENING_NAMES = {code: name for name, code in Q8_0_WIDENINGS.items()}
+_q8_0_forced_by = None  # "LORA_Q8_0_WIDENING=..." or "set_q8_0_widening(...)"
+
+
+def q8_0_widening():
+    """How the AVX-512 path builds q8_0 values in its hot loops: "shuffle" or "cvt" (the same
+    bits either way; the CPU table picks the faster one per core)."""
+    return _Q8_0_WIDENING_NAMES[lib.lora_q8_0_widening()]
+
+
+def set_q8_0_widening(name):
+    """Switch the q8_0 build for the whole process (tests and benchmarks use this); returns the
+    previous name.  Raises ``ValueError`` for a name other than "shuffle" or "cvt"."""
+    global _q8_0_forced_by
+    if name not in Q8_0_WIDENINGS:
+        raise ValueError(f"q8_0 widening {name!r} is not one of {sorted(Q8_0_WIDENINGS)}")
+    previous = q8_0_widening()
+    lib.lora_set_q8_0_widening(Q8_0_WIDENINGS[name])
+    _q8_0_forced_by = f"set_q8_0_widening({name!r})"
+    return previous
+
+
+def _apply_env_q8_0_widening():
+    """LORA_Q8_0_WIDENING=shuffle|cvt replaces the CPU table's q8_0 build; an unknown name warns
+    (RuntimeWarning) and keeps the table's."""
+    global _q8_0_forced_by
+    want = os.environ.get("LORA_Q8_0_WIDENING", "").strip().lower()
+    if not want:
+        return
+    if want not in Q8_0_WIDENINGS:
+        _warn(f"LORA_Q8_0_WIDENING={want!r} is not a known q8_0 build (shuffle, cvt); "
+              f"using {q8_0_widening()}")
+        return
+    lib.lora_set_q8_0_widening(Q8_0_WIDENINGS[want])
+    _q8_0_forced_by = f"LORA_Q8_0_WIDENING={want}"
+
+
+_apply_env_q8_0_widening()
+
+
+def q8_0_widening_reason(row=None):
+    """The q8_0 build in use and why (``kernel_info()["q8_0_widening"]``)."""
+    cpu = (row or _cpu_row())[0]
+    vendor = ffi.new("char[]", (cpu["vendor"] or "").encode("ascii"))
+    family, model = (-1 if cpu[k] is None else cpu[k] for k in ("family", "model"))
+    default = _Q8_0_WIDENING_NAMES[lib.lora_q8_0_widening_for_cpu(vendor, family, model)]
+    used = q8_0_widening()
+    if _q8_0_forced_by:
+        return f"{used}: {_q8_0_forced_by} (the default here: {default})"
+    if cpu["name"]:
+        return f"{used}: the CPU table's row {cpu['name']}"
+    return f"{used}: the default without a CPU table row"
+
 
 def set_num_threads(n):
     """Cap the threads every kernel call may use, process-wide.
@@ -241,7 +295,8 @@ def kernel_info():
     ``model``, ``stepping``: str / int, None where not read (aarch64); ``name``: the CPU table's
     name for it, None for a model without a row), ``available_isas``, ``openmp`` (bool),
     ``threads`` (``get_num_threads()``, the most a call uses), ``thread_policy``
-    (``thread_policy()``), ``fork_safe_openmp`` (bool: ``fork()`` releases the forking thread's
+    (``thread_policy()``), ``q8_0_widening`` (how the AVX-512 path builds q8_0 values, "shuffle"
+    or "cvt", and why: the same bits either way), ``fork_safe_openmp`` (bool: ``fork()`` releases the forking thread's
     OpenMP pool first, so a threaded op of any library sharing the runtime works in the child;
     see docs/guarantees.md), ``compiler`` and ``version``."""
     row = _cpu_row()
@@ -253,6 +308,7 @@ def kernel_info():
         "openmp": bool(lib.lora_openmp()),
         "threads": get_num_threads(),
         "thread_policy": thread_policy(),
+        "q8_0_widening": q8_0_widening_reason(row),
         "fork_safe_openmp": bool(lib.lora_fork_releases_pool()),
         "compiler": ffi.string(lib.lora_compiler()).decode("ascii", "replace"),
         "version": __version__,

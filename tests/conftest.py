@@ -250,6 +250,7 @@ def subprocess_env(**extra):
     root = os.path.dirname(os.path.dirname(os.path.abspath(lora.__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("LORA_ISA", None)
+    env.pop("LORA_Q8_0_WIDENING", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -80,13 +80,14 @@ def test_isa_compare_suggests_the_narrower_path_where_it_wins():
     text = "\n".join(lines)
     assert "scalar/avx512" in text and "avx2/avx512" in text and "0.80x" in text
     row = lines[-1].strip()
-    assert row.startswith('{"AuthenticAMD", 25, 17, 17, LORA_ISA_AVX2, 0, "<core name>", "bench.py --isa-compare 2026-01-01: '
+    assert row.startswith('{"AuthenticAMD", 25, 17, 17, LORA_ISA_AVX2, 0, LORA_Q8_0_WIDEN_SHUFFLE, "<core name>", '
+                          '"bench.py --isa-compare 2026-01-01: '
                           'avx2 fastest on 4/4 rows, scalar 8.00x its time, avx512 1.25x its time')
     assert row.endswith("},") and "noisy" not in text
     # the widest path winning keeps the flags rule; a busy machine marks the suggestion noisy
     lines = isacompare.report_lines("CPU: test", kinfo, _isa_results({"scalar": 8e-5, "avx2": 1.5e-5, "avx512": 1e-5},
                                                                      busy=0.5), isas, "2026-01-01", "0.50 CPUs")
-    assert ", FLAGS_, 0, " in lines[-1] and "noisy" in lines[-1] and "(noisy):" in lines[-2]
+    assert ", FLAGS_, 0, LORA_Q8_0_WIDEN_SHUFFLE, " in lines[-1] and "noisy" in lines[-1] and "(noisy):" in lines[-2]
     assert "! others 0.50 CPU" in "\n".join(lines)
 
 

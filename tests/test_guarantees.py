@@ -486,6 +486,51 @@ def test_lora_isa_env_forces_any_supported_path():
     assert isa == "scalar"
 
 
+def _widening_of(vendor, family, model):
+    return _runtime._Q8_0_WIDENING_NAMES[lib.lora_q8_0_widening_for_cpu(vendor.encode(), family, model)]
+
+
+def test_q8_0_widening_follows_the_cpu_table():
+    """Zen 4 Genoa builds q8_0 values by conversion (measured faster there); every other core,
+    with a row or without, by the shuffle measured on Intel's.  Either gives the same bits
+    (test_q8_0.py runs every op under both)."""
+    assert _widening_of("AuthenticAMD", 25, 0x11) == "cvt"
+    for cpu_id in (("GenuineIntel", 6, 106), ("AuthenticAMD", 25, 1), ("AuthenticAMD", 25, 0x61),
+                   ("GenuineIntel", 6, 143), ("", -1, -1)):
+        assert _widening_of(*cpu_id) == "shuffle"
+    cpu = lora.kernel_info()["cpu"]
+    want = _widening_of(cpu["vendor"] or "", -1 if cpu["family"] is None else cpu["family"],
+                        -1 if cpu["model"] is None else cpu["model"])
+    p = subprocess.run([PYTHON, "-c", "import lora; print(lora.kernel_info()['q8_0_widening'])"],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    reason = p.stdout.strip()  # a fresh process: nothing forced it
+    assert reason.startswith(f"{want}: ")
+    assert (cpu["name"] or "the default without a CPU table row") in reason
+
+
+def test_q8_0_widening_env_and_setter():
+    code = "import lora; print(lora.kernel_info()['q8_0_widening'])"
+    for name in ("shuffle", "cvt"):
+        p = subprocess.run([PYTHON, "-W", "always", "-c", code],
+                           env=subprocess_env(LORA_Q8_0_WIDENING=f" {name.upper()} "),
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "Warning" not in p.stderr, p.stderr
+        assert p.stdout.startswith(f"{name}: LORA_Q8_0_WIDENING={name} (the default here: ")
+    p = subprocess.run([PYTHON, "-W", "always", "-c", code], env=subprocess_env(LORA_Q8_0_WIDENING="fast"),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "RuntimeWarning" in p.stderr and "'fast'" in p.stderr
+    assert p.stdout.startswith(_runtime.q8_0_widening() + ": ")
+    previous = _runtime.set_q8_0_widening("cvt")
+    try:
+        assert lora.kernel_info()["q8_0_widening"].startswith("cvt: set_q8_0_widening('cvt')")
+        with pytest.raises(ValueError, match="'fast'"):
+            _runtime.set_q8_0_widening("fast")
+        assert _runtime.q8_0_widening() == "cvt"
+    finally:
+        _runtime.set_q8_0_widening(previous)
+
+
 def test_lora_isa_env_scalar_prints_scalar():
     p = subprocess.run([PYTHON, "-c", "import lora; print(lora.kernel_info()['isa'])"],
                        env=subprocess_env(LORA_ISA="scalar"), capture_output=True, text=True,

@@ -30,7 +30,7 @@ from gguf.quants import dequantize, quantize
 import _adapter_files as af
 import lora
 from conftest import assert_format_error, num_threads
-from lora import _formats
+from lora import _formats, _runtime
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -50,6 +50,17 @@ def _bits(arr):
 
 def _same(got, want):
     np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.fixture(autouse=True, params=["shuffle", "cvt"])
+def widening(request):
+    """Every test under both ways the AVX-512 path builds q8_0 values (the CPU table picks one
+    per core; both must give the float32 path's bits).  Other paths ignore it."""
+    previous = _runtime.set_q8_0_widening(request.param)
+    try:
+        yield request.param
+    finally:
+        _runtime.set_q8_0_widening(previous)
 
 
 # ------------------------------------------------------------------ the quantizer

@@ -96,7 +96,8 @@ def table_row(cpu, name, isa, widest, rel, wins, date, noisy):
     margin = ", ".join(f"{o} {rel[o] / rel[isa]:.2f}x its time" for o in rel if o != isa)
     evidence = (f"bench.py --isa-compare {date}: {isa} fastest on {wins[0]}/{wins[1]} rows, {margin} "
                 "(geomean of medians); docs/performance.md 'ISA paths by CPU'")
-    line = (f'{{"{cpu["vendor"]}", {cpu["family"]}, {cpu["model"]}, {cpu["model"]}, {path}, 0, "{name}", '
+    line = (f'{{"{cpu["vendor"]}", {cpu["family"]}, {cpu["model"]}, {cpu["model"]}, {path}, 0, '
+            f'LORA_Q8_0_WIDEN_SHUFFLE, "{name}", '
             f'"{evidence}"}},')
     return line + ("  /* noisy: measure again on a quiet machine (--wait-quiet) */" if noisy else "")
 
