@@ -50,7 +50,7 @@ ROWS += [(f"prefill {r}x{c} r{k} {dt} b{n}", "prefill", r, c, [k], dt, n)
          for n in (2, 3, 8, 128, 512)]
 ROWS += [(f"stack 4x r16 {dt} b{n}", "prefill", 4096, 4096, [16] * 4, dt, n)
          for dt in ("float32", "bfloat16") for n in (16, 128, 512)]
-ROWS += [(f"sweep {dt}", "sweep", 0, 0, [16], dt, None) for dt in ("float32", "bfloat16")]
+ROWS += [(f"sweep {dt}", "sweep", 0, 0, [16], dt, None) for dt in ("float32", "bfloat16", "q8_0")]
 QUICK = [("decode 256x128 r8 float32 cold", "decode", 256, 128, [8], "float32", "cold"),
          ("decode 256x128 r8 bfloat16 warm", "decode", 256, 128, [8], "bfloat16", "warm"),
          ("stack 2x r8 float32 b9", "prefill", 256, 128, [8, 8], "float32", 9),
