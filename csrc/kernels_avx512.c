@@ -162,8 +162,9 @@ INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) {
  *   cvt      sign extension (vpmovsxbd of the bytes less their bias), int-to-float and a
  *            multiply by d: one more uop, but on AMD Zen 4, which runs a 512-bit op as two
  *            256-bit halves, the shuffle and the fmsub queue behind the FMAs on the same
- *            pipes, and the cvt build ran the hot B loop 1.38x faster (0.77 against 1.06 ns
- *            a vector of 16, 4096 x 16 values in L2; docs/performance.md).
+ *            pipes, and the cvt build ran the hot B loop 1.40x faster (0.80 against 1.12 ns
+ *            a vector of 16, four chains, 16 x 4096 values in L2: benchmarks/q8_0_widen.c,
+ *            docs/performance.md).
  * The CPU table (isa.c, lora_q8_0_widening) picks one per core; the hot loops take it as
  * their format code: LORA_FMT_Q8_0 for shuffle, Q8_0_CVT_ (this file's own code) for cvt,
  * dispatched once a term or a projection (term_nb_, project_).  Off the hot loops (tails of
@@ -643,8 +644,9 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
     if (q8_(f)) {
         /* two whole blocks of 64 outputs a step: four independent chains (each output's chain
          * unchanged), each pair sharing its block's constants: a Zen 4's FMA latency over two
-         * chains left its pipes idle (the cvt build's hot B loop took 0.91 against 0.77 ns a
-         * vector on two), then one block of 32.  A first vector 16 into a block goes alone. */
+         * chains left its pipes idle (the cvt build's hot B loop took 1.05 ns a vector on two
+         * chains, 0.80 on four: benchmarks/q8_0_widen.c), then one block of 32.  A first
+         * vector 16 into a block goes alone. */
         const int64_t first = (i & 31) && i + 16 <= i1 ? i + 16 : i;
         term_vecs_avx512_(m, ldm, k0, kn, i, first, u_f32x16, s_f32x16, out, obase, total, i_start, f, ib,
                           (const float (*)[Q8_0_STRIP_BLOCKS_])big, (const float (*)[Q8_0_STRIP_BLOCKS_])off);

@@ -204,10 +204,12 @@ def q8_0_widening_reason(row=None):
     default = _Q8_0_WIDENING_NAMES[lib.lora_q8_0_widening_for_cpu(vendor, family, model)]
     used = q8_0_widening()
     if _q8_0_forced_by:
-        return f"{used}: {_q8_0_forced_by} (the default here: {default})"
-    if cpu["name"]:
-        return f"{used}: the CPU table's row {cpu['name']}"
-    return f"{used}: the default without a CPU table row"
+        text = f"{used}: {_q8_0_forced_by} (the default here: {default})"
+    elif cpu["name"]:
+        text = f"{used}: the CPU table's row {cpu['name']}"
+    else:
+        text = f"{used}: the default without a CPU table row"
+    return text if isa() == "avx512" else f"{text}; unused on the {isa()} path (it has one build)"
 
 
 def set_num_threads(n):

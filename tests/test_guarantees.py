@@ -524,6 +524,8 @@ def test_q8_0_widening_env_and_setter():
     previous = _runtime.set_q8_0_widening("cvt")
     try:
         assert lora.kernel_info()["q8_0_widening"].startswith("cvt: set_q8_0_widening('cvt')")
+        with using_isa("scalar"):
+            assert lora.kernel_info()["q8_0_widening"].endswith("unused on the scalar path (it has one build)")
         with pytest.raises(ValueError, match="'fast'"):
             _runtime.set_q8_0_widening("fast")
         assert _runtime.q8_0_widening() == "cvt"
