@@ -166,15 +166,27 @@ def q8_0_widening():
     return _Q8_0_WIDENING_NAMES[lib.lora_q8_0_widening()]
 
 
+def _table_q8_0_widening(cpu):
+    """The q8_0 build the CPU table gives this CPU (`cpu`: ``_cpu_row()[0]``)."""
+    vendor = ffi.new("char[]", (cpu["vendor"] or "").encode("ascii"))
+    family, model = (-1 if cpu[k] is None else cpu[k] for k in ("family", "model"))
+    return _Q8_0_WIDENING_NAMES[lib.lora_q8_0_widening_for_cpu(vendor, family, model)]
+
+
 def set_q8_0_widening(name):
     """Switch the q8_0 build for the whole process (tests and benchmarks use this); returns the
-    previous name.  Raises ``ValueError`` for a name other than "shuffle" or "cvt"."""
+    previous name.  ``None`` goes back to the CPU table's choice (and its reason).  Raises
+    ``ValueError`` for anything else than "shuffle", "cvt" or None."""
     global _q8_0_forced_by
-    if name not in Q8_0_WIDENINGS:
-        raise ValueError(f"q8_0 widening {name!r} is not one of {sorted(Q8_0_WIDENINGS)}")
+    if name is not None and (not isinstance(name, str) or name not in Q8_0_WIDENINGS):
+        raise ValueError(f"q8_0 widening {name!r} is not one of {sorted(Q8_0_WIDENINGS)} or None")
     previous = q8_0_widening()
-    lib.lora_set_q8_0_widening(Q8_0_WIDENINGS[name])
-    _q8_0_forced_by = f"set_q8_0_widening({name!r})"
+    if name is None:
+        lib.lora_set_q8_0_widening(Q8_0_WIDENINGS[_table_q8_0_widening(_cpu_row()[0])])
+        _q8_0_forced_by = None
+    else:
+        lib.lora_set_q8_0_widening(Q8_0_WIDENINGS[name])
+        _q8_0_forced_by = f"set_q8_0_widening({name!r})"
     return previous
 
 
@@ -199,9 +211,7 @@ _apply_env_q8_0_widening()
 def q8_0_widening_reason(row=None):
     """The q8_0 build in use and why (``kernel_info()["q8_0_widening"]``)."""
     cpu = (row or _cpu_row())[0]
-    vendor = ffi.new("char[]", (cpu["vendor"] or "").encode("ascii"))
-    family, model = (-1 if cpu[k] is None else cpu[k] for k in ("family", "model"))
-    default = _Q8_0_WIDENING_NAMES[lib.lora_q8_0_widening_for_cpu(vendor, family, model)]
+    default = _table_q8_0_widening(cpu)
     used = q8_0_widening()
     if _q8_0_forced_by:
         text = f"{used}: {_q8_0_forced_by} (the default here: {default})"

@@ -520,15 +520,20 @@ def test_q8_0_widening_env_and_setter():
     p = subprocess.run([PYTHON, "-W", "always", "-c", code], env=subprocess_env(LORA_Q8_0_WIDENING="fast"),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "RuntimeWarning" in p.stderr and "'fast'" in p.stderr
-    assert p.stdout.startswith(_runtime.q8_0_widening() + ": ")
+    table = _runtime._table_q8_0_widening(lora.kernel_info()["cpu"])  # the child's: no env var
+    assert p.stdout.startswith(f"{table}: ") and "LORA_Q8_0_WIDENING" not in p.stdout
     previous = _runtime.set_q8_0_widening("cvt")
     try:
         assert lora.kernel_info()["q8_0_widening"].startswith("cvt: set_q8_0_widening('cvt')")
         with using_isa("scalar"):
             assert lora.kernel_info()["q8_0_widening"].endswith("unused on the scalar path (it has one build)")
-        with pytest.raises(ValueError, match="'fast'"):
-            _runtime.set_q8_0_widening("fast")
+        for bad in ("fast", ["cvt"], 1):
+            with pytest.raises(ValueError, match="is not one of"):
+                _runtime.set_q8_0_widening(bad)
         assert _runtime.q8_0_widening() == "cvt"
+        assert _runtime.set_q8_0_widening(None) == "cvt"  # back to the table, and its reason
+        assert _runtime.q8_0_widening() == table
+        assert "set_q8_0_widening" not in lora.kernel_info()["q8_0_widening"]
     finally:
         _runtime.set_q8_0_widening(previous)
 

@@ -56,11 +56,13 @@ def _same(got, want):
 def widening(request):
     """Every test under both ways the AVX-512 path builds q8_0 values (the CPU table picks one
     per core; both must give the float32 path's bits).  Other paths ignore it."""
-    previous = _runtime.set_q8_0_widening(request.param)
+    previous, reason = _runtime.q8_0_widening(), _runtime._q8_0_forced_by
+    _runtime.set_q8_0_widening(request.param)
     try:
         yield request.param
     finally:
         _runtime.set_q8_0_widening(previous)
+        _runtime._q8_0_forced_by = reason  # the table's, or LORA_Q8_0_WIDENING's, as before
 
 
 # ------------------------------------------------------------------ the quantizer
