@@ -170,28 +170,28 @@ INLINE_ __m512 run_f32x16_(lora_run r, int64_t e, const int f) {
  * dispatched once a term or a projection (term_nb_, project_).  Off the hot loops (tails of
  * run_*, by-row terms, loads) a Q8_0 value is always built the shuffle way. */
 
+/* 16 Q8_0 values from their 16 stored bytes, the cvt way: the bias off, sign extension,
+ * int-to-float, times d (d_f32x16); `mask` zeroes the lanes it leaves out */
+INLINE_ __m512 q8_0_cvt_values_f32x16_(__m128i b_u8x16, __m512 d_f32x16, __mmask16 mask) {
+    const __m512i q_i32x16 = _mm512_cvtepi8_epi32(_mm_xor_si128(b_u8x16, _mm_set1_epi8((char)LORA_Q8_0_BIAS)));
+    return mask == (__mmask16)0xffff ? _mm512_mul_ps(_mm512_cvtepi32_ps(q_i32x16), d_f32x16)
+                                     : _mm512_maskz_mul_ps(mask, _mm512_cvtepi32_ps(q_i32x16), d_f32x16);
+}
+
 /* The hot loops' Q8_0 load: 16 values from q (a multiple of 16 into its row), their block's
  * constants already float32 (q8_0_scales_ widens a tile's scales once, so each vector pays
  * broadcasts from L1 instead of converting the float16): D and C for shuffle, d (big) for cvt */
 INLINE_ __m512 q8_0_f32x16_(const uint8_t *q, __m512 big_f32x16, __m512 off_f32x16, const int f) {
-    if (f == Q8_0_CVT_) {
-        const __m128i b_u8x16 = _mm_loadu_si128((const __m128i *)q);
-        const __m512i q_i32x16 = _mm512_cvtepi8_epi32(_mm_xor_si128(b_u8x16, _mm_set1_epi8((char)LORA_Q8_0_BIAS)));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(q_i32x16), big_f32x16);
-    }
-    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
-    return q8_0_values_f32x16_(raw, big_f32x16, off_f32x16, (__mmask16)0xffff);
+    const __m128i b_u8x16 = _mm_loadu_si128((const __m128i *)q);
+    if (f == Q8_0_CVT_) return q8_0_cvt_values_f32x16_(b_u8x16, big_f32x16, (__mmask16)0xffff);
+    return q8_0_values_f32x16_(_mm512_broadcast_i32x4(b_u8x16), big_f32x16, off_f32x16, (__mmask16)0xffff);
 }
 /* the same under a mask (the lanes left out read as 0; no byte past them is read) */
 INLINE_ __m512 q8_0_masked_f32x16_(const uint8_t *q, __m512 big_f32x16, __m512 off_f32x16, __mmask16 mask,
                                    const int f) {
-    if (f == Q8_0_CVT_) {
-        const __m128i b_u8x16 = _mm_maskz_loadu_epi8(mask, q);
-        const __m512i q_i32x16 = _mm512_cvtepi8_epi32(_mm_xor_si128(b_u8x16, _mm_set1_epi8((char)LORA_Q8_0_BIAS)));
-        return _mm512_maskz_mul_ps(mask, _mm512_cvtepi32_ps(q_i32x16), big_f32x16);
-    }
-    const __m512i raw = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(mask, q));
-    return q8_0_values_f32x16_(raw, big_f32x16, off_f32x16, mask);
+    const __m128i b_u8x16 = _mm_maskz_loadu_epi8(mask, q);
+    if (f == Q8_0_CVT_) return q8_0_cvt_values_f32x16_(b_u8x16, big_f32x16, mask);
+    return q8_0_values_f32x16_(_mm512_broadcast_i32x4(b_u8x16), big_f32x16, off_f32x16, mask);
 }
 
 /* The block constants of n consecutive Q8_0 blocks from block b0 of a factor for build f: D
@@ -475,11 +475,16 @@ INLINE_ void project_f_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64
     }
 }
 
+/* whether a term or projection of format f builds its Q8_0 values the cvt way right now */
+INLINE_ int q8_0_cvt_now_(const int f) {
+    return f == LORA_FMT_Q8_0 && lora_q8_0_widening() == LORA_Q8_0_WIDEN_CVT;
+}
+
 /* project_f_ with a Q8_0 A built the CPU table's way (q8_0_f32x16_) */
 INLINE_ void project_(lora_run a, int64_t lda, int64_t cols, int64_t k0, int64_t k1,
                       int nb, const void *const *xs, float *t, int64_t ldt, const int f,
                       const int xt) {
-    if (f == LORA_FMT_Q8_0 && lora_q8_0_widening() == LORA_Q8_0_WIDEN_CVT)
+    if (q8_0_cvt_now_(f))
         project_f_(a, lda, cols, k0, k1, nb, xs, t, ldt, Q8_0_CVT_, xt);
     else
         project_f_(a, lda, cols, k0, k1, nb, xs, t, ldt, f, xt);
@@ -598,6 +603,36 @@ INLINE_ void term_vecs_avx512_(lora_run m, int64_t ldm, int64_t k0, const int kn
     }
 }
 
+/* term_block_avx512_'s Q8_0 outputs [i, i + 32 nblk): nblk whole blocks from output i (a
+ * multiple of 32), 2 nblk independent chains over the block's kn ranks (each output's chain
+ * unchanged), each pair sharing its block's constants big/off[k][(i - ib) / 32 + h].  Four
+ * chains a step (nblk 2) where two left a Zen 4's FMA latency exposed (the cvt build's hot B
+ * loop took 1.05 ns a vector on two chains, 0.80 on four: benchmarks/q8_0_widen.c); one line
+ * of each row a step, and that row's line Q8_0_DECODE_AHEAD_ bytes on asked for. */
+INLINE_ void term_q8_0_blocks_avx512_(lora_run m, int64_t ldm, int64_t k0, const int kn, int64_t i, int64_t ib,
+                                      const __m512 *u_f32x16, __m512 s_f32x16, float *out, int64_t obase,
+                                      float *total, int64_t i_start, const int f,
+                                      const float (*big)[Q8_0_STRIP_BLOCKS_],
+                                      const float (*off)[Q8_0_STRIP_BLOCKS_], const int nblk) {
+    __m512 acc_f32x16[4];
+    for (int v = 0; v < 2 * nblk; v++) acc_f32x16[v] = _mm512_setzero_ps();
+    const int64_t blk = (i - ib) >> 5;
+    for (int k = 0; k < kn; k++) {
+        const uint8_t *q = (const uint8_t *)m.v + (k0 + k) * ldm + i;
+        if (i + Q8_0_DECODE_AHEAD_ < ldm) _mm_prefetch((const char *)q + Q8_0_DECODE_AHEAD_, _MM_HINT_T0);
+        for (int h = 0; h < nblk; h++) {
+            const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk + h]);
+            const __m512 off_f32x16 = q8_0_off_(off[k], blk + h, f);
+            acc_f32x16[2 * h] = _mm512_fmadd_ps(q8_0_f32x16_(q + 32 * h, big_f32x16, off_f32x16, f),
+                                                u_f32x16[k], acc_f32x16[2 * h]);
+            acc_f32x16[2 * h + 1] = _mm512_fmadd_ps(q8_0_f32x16_(q + 32 * h + 16, big_f32x16, off_f32x16, f),
+                                                    u_f32x16[k], acc_f32x16[2 * h + 1]);
+        }
+    }
+    for (int v = 0; v < 2 * nblk; v++)
+        term_put_avx512_(acc_f32x16[v], i + 16 * v, i_start, k0, total, out, obase, s_f32x16, (__mmask16)0xffff);
+}
+
 /* A decode's outputs [i, i1) (output i at out[i - obase]) from one rank
  * block of kn ranks of M starting at row k0 (u_f32x16: the block's u
  * broadcast): each vector of 16 outputs (32 for a bfloat16 M, its even and
@@ -617,6 +652,8 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
     float big[LORA_KBLOCK][Q8_0_STRIP_BLOCKS_] __attribute__((aligned(64)));
     float off[LORA_KBLOCK][Q8_0_STRIP_BLOCKS_] __attribute__((aligned(64)));
     const int64_t ib = i & ~(int64_t)31;
+    const float (*big_c)[Q8_0_STRIP_BLOCKS_] = (const float (*)[Q8_0_STRIP_BLOCKS_])big;
+    const float (*off_c)[Q8_0_STRIP_BLOCKS_] = (const float (*)[Q8_0_STRIP_BLOCKS_])off;
     if (q8_(f))
         for (int k = 0; k < kn; k++)
             q8_0_scales_(m, ((k0 + k) * ldm + ib) / 32, (i1 - ib + 31) / 32, big[k], off[k], f);
@@ -642,49 +679,22 @@ INLINE_ void term_block_avx512_(lora_run m, int64_t ldm, int64_t k0, const int k
         }
     }
     if (q8_(f)) {
-        /* two whole blocks of 64 outputs a step: four independent chains (each output's chain
-         * unchanged), each pair sharing its block's constants: a Zen 4's FMA latency over two
-         * chains left its pipes idle (the cvt build's hot B loop took 1.05 ns a vector on two
-         * chains, 0.80 on four: benchmarks/q8_0_widen.c), then one block of 32.  A first
-         * vector 16 into a block goes alone. */
+        /* two whole blocks (64 outputs) a step, then one block of 32 (term_q8_0_blocks_avx512_).
+         * A first vector 16 into a block goes alone. */
         const int64_t first = (i & 31) && i + 16 <= i1 ? i + 16 : i;
         term_vecs_avx512_(m, ldm, k0, kn, i, first, u_f32x16, s_f32x16, out, obase, total, i_start, f, ib,
-                          (const float (*)[Q8_0_STRIP_BLOCKS_])big, (const float (*)[Q8_0_STRIP_BLOCKS_])off);
-        for (i = first; i + 64 <= i1; i += 64) { /* one line of each row a step */
-            __m512 acc_f32x16[4];
-            for (int v = 0; v < 4; v++) acc_f32x16[v] = _mm512_setzero_ps();
-            const int64_t blk = (i - ib) >> 5;
-            for (int k = 0; k < kn; k++) {
-                const uint8_t *q = (const uint8_t *)m.v + (k0 + k) * ldm + i;
-                if (i + Q8_0_DECODE_AHEAD_ < ldm) _mm_prefetch((const char *)q + Q8_0_DECODE_AHEAD_, _MM_HINT_T0);
-                for (int h = 0; h < 2; h++) {
-                    const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk + h]);
-                    const __m512 off_f32x16 = q8_0_off_(off[k], blk + h, f);
-                    acc_f32x16[2 * h] = _mm512_fmadd_ps(q8_0_f32x16_(q + 32 * h, big_f32x16, off_f32x16, f),
-                                                        u_f32x16[k], acc_f32x16[2 * h]);
-                    acc_f32x16[2 * h + 1] = _mm512_fmadd_ps(q8_0_f32x16_(q + 32 * h + 16, big_f32x16, off_f32x16, f),
-                                                            u_f32x16[k], acc_f32x16[2 * h + 1]);
-                }
-            }
-            for (int v = 0; v < 4; v++)
-                term_put_avx512_(acc_f32x16[v], i + 16 * v, i_start, k0, total, out, obase, s_f32x16,
-                                 (__mmask16)0xffff);
-        }
-        for (; i + 32 <= i1; i += 32) {
-            __m512 lo_f32x16 = _mm512_setzero_ps(), hi_f32x16 = _mm512_setzero_ps();
-            const int64_t blk = (i - ib) >> 5;
-            for (int k = 0; k < kn; k++) {
-                const uint8_t *q = (const uint8_t *)m.v + (k0 + k) * ldm + i;
-                const __m512 big_f32x16 = _mm512_set1_ps(big[k][blk]), off_f32x16 = q8_0_off_(off[k], blk, f);
-                lo_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q, big_f32x16, off_f32x16, f), u_f32x16[k], lo_f32x16);
-                hi_f32x16 = _mm512_fmadd_ps(q8_0_f32x16_(q + 16, big_f32x16, off_f32x16, f), u_f32x16[k], hi_f32x16);
-            }
-            term_put_avx512_(lo_f32x16, i, i_start, k0, total, out, obase, s_f32x16, (__mmask16)0xffff);
-            term_put_avx512_(hi_f32x16, i + 16, i_start, k0, total, out, obase, s_f32x16, (__mmask16)0xffff);
+                          big_c, off_c);
+        for (i = first; i + 64 <= i1; i += 64)
+            term_q8_0_blocks_avx512_(m, ldm, k0, kn, i, ib, u_f32x16, s_f32x16, out, obase, total, i_start, f,
+                                     big_c, off_c, 2);
+        if (i + 32 <= i1) {
+            term_q8_0_blocks_avx512_(m, ldm, k0, kn, i, ib, u_f32x16, s_f32x16, out, obase, total, i_start, f,
+                                     big_c, off_c, 1);
+            i += 32;
         }
     }
     term_vecs_avx512_(m, ldm, k0, kn, i, i1, u_f32x16, s_f32x16, out, obase, total, i_start, f, ib,
-                      (const float (*)[Q8_0_STRIP_BLOCKS_])big, (const float (*)[Q8_0_STRIP_BLOCKS_])off);
+                      big_c, off_c);
 }
 
 /* term_block_avx512_ with kn a constant for the common ranks */
@@ -874,7 +884,7 @@ INLINE_ void term_nb_f_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64
 INLINE_ void term_nb_(lora_run m, int64_t ldm, int64_t kdim, int64_t i0, int64_t i1,
                       const int nb, const float *u, int64_t ldu, const float *scale,
                       float *const *outs, int64_t obase, const int f) {
-    if (f == LORA_FMT_Q8_0 && lora_q8_0_widening() == LORA_Q8_0_WIDEN_CVT)
+    if (q8_0_cvt_now_(f))
         term_nb_f_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, obase, Q8_0_CVT_);
     else
         term_nb_f_(m, ldm, kdim, i0, i1, nb, u, ldu, scale, outs, obase, f);
