@@ -12,9 +12,11 @@
 # every later version.
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cffi_build import build_flags  # noqa: E402
@@ -36,5 +38,44 @@ edge = Extension(
     py_limited_api=True,
 )
 
-setup(cffi_modules=["_cffi_build.py:ffibuilder"], ext_modules=[edge],
+
+
+def _compile_in_parallel(compiler, jobs):
+    """Compile an extension's C files on `jobs` threads, the largest first (the AVX-512 kernel
+    file takes most of a build; one compiler per core halves the build on two cores).  The
+    files and flags are distutils' own (its _setup_compile / _compile, as CCompiler.compile
+    loops over them); a compiler class without them keeps compiling one file at a time."""
+    if jobs < 2 or not all(hasattr(compiler, n) for n in ("_setup_compile", "_get_cc_args", "_compile")):
+        return
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
+                extra_preargs=None, extra_postargs=None, depends=None):
+        macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+        todo = sorted((obj for obj in objects if obj in build),
+                      key=lambda obj: -os.path.getsize(build[obj][0]))
+
+        def one(obj):
+            src, ext = build[obj]
+            compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for _ in pool.map(one, todo):  # re-raises the first CompileError
+                pass
+        return objects
+
+    compiler.compile = compile
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        # LORA_BUILD_JOBS=1 compiles one file at a time; by default one compiler per usable core
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        jobs = int(os.environ.get("LORA_BUILD_JOBS") or cores)
+        _compile_in_parallel(self.compiler, min(jobs, 8))
+        super().build_extensions()
+
+
+setup(cffi_modules=["_cffi_build.py:ffibuilder"], ext_modules=[edge], cmdclass={"build_ext": BuildExt},
       options={"bdist_wheel": {"py_limited_api": "cp39"}})

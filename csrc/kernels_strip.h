@@ -24,8 +24,11 @@
  * when its delta was made (lora_delta_new / lora_delta_view) */
 #define STRIP_TERM_CASE_(FN, FMT, NAME, BLOCK, BYTES, VALUE, WORK)                             \
     case FMT: FN(&terms[q], i0, i1, nb, outs, obase, FMT); break;
-INLINE_ void terms_(const lora_term *terms, int n_terms, int64_t i0, int64_t i1, int nb,
-                    float *const *outs, int64_t obase) {
+/* One copy, called by every out dtype's accumulate_ (not inlined: three inlined copies of
+ * every format's tiles tripled the file's code and its compile time; a call per strip costs
+ * nothing next to a strip's work). */
+static __attribute__((noinline)) void terms_(const lora_term *terms, int n_terms, int64_t i0,
+                                             int64_t i1, int nb, float *const *outs, int64_t obase) {
     for (int q = 0; q < n_terms; q++) {
         if (terms[q].by_row) {
             switch (terms[q].fmt) {
