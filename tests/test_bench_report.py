@@ -448,3 +448,30 @@ def test_the_set_step_is_sized_past_twice_the_last_level_cache():
     layers, info = size_set_step(480 << 20, 4 << 30)
     assert info["capped_by"] == "memory" and layers < info["layers_wanted"]
     assert size_set_step(480 << 20, 64 << 30, quick=True)[0] == QUICK_SET_LAYERS
+
+
+def test_the_set_step_and_the_sweep_say_what_their_arithmetic_takes_from_cache():
+    """The `_cached` reference (the same calls on one layer's adapters): its share of the row's
+    time and, for q8_0, its speed against bfloat16's from cache, in the target's detail."""
+    from lorabench.workloads import runner
+
+    def row(dtype, ours_ms, cached_ms):
+        impls = {"ours": {"median_s": ours_ms * 1e-3, "min_s": ours_ms * 1e-3},
+                 "_cached": {"median_s": cached_ms * 1e-3, "min_s": cached_ms * 1e-3}}
+        return SimpleNamespace(result={"impls": impls, "bytes": 600 << 20, "flops": 1},
+                               key="setstep", dtype=dtype, name="adapter-set step", group="setstep")
+
+    bf16, q8 = row("bfloat16", 21.0, 9.0), row("q8_0", 18.0, 16.0)
+    by_key = {("setstep", "bfloat16"): bf16}
+    wl = SimpleNamespace(key="setstep", dtype="q8_0")
+    caches = {"L1d": 32 << 10, "L2": 1 << 20, "L3": 32 << 20}
+    runner.analyse(SimpleNamespace(key="setstep", dtype="bfloat16"), bf16.result, None, None, 2, caches, by_key)
+    runner.analyse(wl, q8.result, None, None, 2, caches, by_key)
+    assert q8.result["cached_share"] == pytest.approx(16 / 18)
+    assert q8.result["cached_speedup_bf16"] == pytest.approx(9 / 16)
+    metric = targets.WithCached(targets.Speedup("ours_bf16"))
+    value, detail, _ = metric([q8], {"llc_bytes": 32 << 20})
+    assert value == pytest.approx(21 / 18)
+    assert "from cache: 16.00 ms = 0.89 of its time, 0.56x bf16's from cache" in detail
+    _, plain, _ = targets.WithCached(targets.Speedup("ours_bf16"))([SimpleNamespace(result={"speedup": {}})], {})
+    assert plain == ""

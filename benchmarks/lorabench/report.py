@@ -68,6 +68,7 @@ _BASE_NAMES = {
     "numpy_group": "NumPy grouping", "gather_einsum": "gather+einsum", "torch_group": "PyTorch grouping",
     "single": "single-adapter add_batch_to", "_dram_read": "DRAM read reference",
     "_same_size_read": "same-size read reference", "_deltas_read": "read of the deltas' storage",
+    "_cached": "the same calls on the first layer's adapters (from cache)",
     "numpy_naive_f32": "NumPy naive (f32)",
     "numpy_tuned_f32": "NumPy tuned (f32)", "ours_f32": "ours f32", "torch_f32": "PyTorch f32",
     "single_add_to": "single-adapter add_to", "ours_f32act": "ours, f32 x/out", "peft": "PEFT (f32 upcast)",

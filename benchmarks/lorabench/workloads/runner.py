@@ -106,6 +106,13 @@ def analyse(wl, res, bw, peak, threads, caches, by_key):
     bf16 = by_key.get((wl.key, "bfloat16")) if wl.dtype == "q8_0" and wl.key else None
     if bf16 is not None and "impls" in bf16.result:
         ratio("ours_bf16", bf16.result["impls"]["ours"])
+    # the same calls on one layer's adapters, from cache (the sweep and the set step): the share
+    # of the row's time its arithmetic takes, and for q8_0 that arithmetic against bfloat16's
+    if "_cached" in res["impls"]:
+        res["cached_share"] = res["impls"]["_cached"]["median_s"] / t
+        if bf16 is not None and "_cached" in bf16.result.get("impls", {}):
+            res["cached_speedup_bf16"] = (bf16.result["impls"]["_cached"]["median_s"]
+                                          / res["impls"]["_cached"]["median_s"])
     res["speedup"] = sp
     res["ratio_marks"] = {k: v for k, v in marks.items() if v}
 

@@ -8,7 +8,8 @@ decode model (`core.linear_model`).  Baselines:
 `baselines` (NumPy naive and tuned in float32, PyTorch in the row's storage dtype); references,
 measured alongside: the DRAM read bandwidth right now, a read of as many bytes as the sweep
 moves (its roof), and a read of the deltas' own storage, delta by delta, on the whole team (what
-the memory system gives regions of that size one call at a time, with no arithmetic).
+the memory system gives regions of that size one call at a time, with no arithmetic), and
+the same calls on the first layer's deltas only (from cache: the sweep's arithmetic alone).
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def build_sweep(ctx, layers, rank, dtype):
         # and a read of our deltas' own storage, delta by delta as the calls meet it: what the
         # memory system gives these regions of a few hundred KiB each (no arithmetic at all)
         impls["_deltas_read"] = make_deltas_reader(deltas, ctx.threads)
+    # and the same number of calls on the first layer's deltas only (from cache: the sweep's
+    # arithmetic and call overhead, with no DRAM read; what no prefetching could go below)
+    impls["_cached"] = Impl(ours, calls[:len(LLAMA2_7B)] * layers)
     if dtype == "float32":
         o_n, o_t = outs(), outs()
         impls["numpy_naive"] = numpy_naive([(a, b, s, xs[cols], o_n[rows]) for rows, cols, a, b in pairs])
