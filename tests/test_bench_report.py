@@ -473,5 +473,12 @@ def test_the_set_step_and_the_sweep_say_what_their_arithmetic_takes_from_cache()
     value, detail, _ = metric([q8], {"llc_bytes": 32 << 20})
     assert value == pytest.approx(21 / 18)
     assert "from cache: 16.00 ms = 0.89 of its time, 0.56x bf16's from cache" in detail
-    _, plain, _ = targets.WithCached(targets.Speedup("ours_bf16"))([SimpleNamespace(result={"speedup": {}})], {})
-    assert plain == ""
+    # a row that was not judged keeps its own reason alone
+    lone = row("q8_0", 18.0, 16.0)
+    runner.analyse(wl, lone.result, None, None, 2, caches, {})
+    assert "cached_speedup_bf16" not in lone.result
+    assert metric([lone], {"llc_bytes": 32 << 20})[:2] == (None, "")
+    # a reference whose working set would not stay in the last-level cache is not shown as one
+    q8.result["cached_working_set_bytes"] = 20 << 20
+    _, big, _ = metric([q8], {"llc_bytes": 32 << 20})
+    assert "would not stay in cache here" in big and "0.89 of its time" not in big

@@ -267,12 +267,20 @@ class WithCached:
     def __call__(self, rows, run):
         v, detail, used = self.inner(rows, run)
         r = rows[0].result
-        if "cached_share" in r:
+        if v is None:  # not judged: the inner metric's reason alone
+            return v, detail, used
+        ws, llc = r.get("cached_working_set_bytes"), (run or {}).get("llc_bytes")
+        if "cached_share" not in r:
+            return v, detail, used
+        if ws and llc and ws > llc / 2:
+            extra = (f"the same calls on one layer's adapters would not stay in cache here "
+                     f"({fmt_bytes(ws)} > half the {fmt_bytes(llc)} last-level cache): not shown")
+        else:
             extra = (f"the same calls on one layer's adapters, from cache: "
                      f"{r['impls']['_cached']['median_s'] * 1e3:.2f} ms = {r['cached_share']:.2f} of its time")
             if "cached_speedup_bf16" in r:
                 extra += f", {r['cached_speedup_bf16']:.2f}x bf16's from cache"
-            detail = f"{detail}; {extra}" if detail else extra
+        detail = f"{detail}; {extra}" if detail else extra
         return v, detail, used
 
 

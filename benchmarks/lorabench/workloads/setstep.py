@@ -124,5 +124,6 @@ def build_set_step(ctx, layers, n_adapters=SET_ADAPTERS, rank=SET_RANK, batch=SE
             nbytes += int(used * rank * (rows + cols) * VALUE_BYTES[dtype]) + batch * (cols * 4 + rows * 8) + batch * 16
             flops += 2 * batch * rank * (rows + cols)
     info = {"build_s": build_s, "adapter_bytes": aset.resident_bytes, "layers": layers,
-            "bank_calls": len(calls), "adapters": n_adapters}
+            "bank_calls": len(calls), "adapters": n_adapters,
+            "cached_working_set_bytes": int(used * sweep_layer_bytes(rank, VALUE_BYTES[dtype]))}
     return Built(impls, nbytes, flops, (ours_once, ref_once, TOL[dtype]), info)

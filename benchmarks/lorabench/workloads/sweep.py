@@ -131,4 +131,5 @@ def build_sweep(ctx, layers, rank, dtype):
     def ref_once():
         return np.concatenate([lora_ref(a, b, s, xs[cols]) for rows, cols, a, b in pairs[:7]])
 
-    return Built(impls, nbytes, flops, (ours_once, ref_once, TOL[dtype]))
+    return Built(impls, nbytes, flops, (ours_once, ref_once, TOL[dtype]),
+                 {"cached_working_set_bytes": sweep_layer_bytes(rank, VALUE_BYTES[dtype])})
