@@ -39,7 +39,6 @@ edge = Extension(
 )
 
 
-
 def _compile_in_parallel(compiler, jobs):
     """Compile an extension's C files on `jobs` threads, the largest first.  The AVX-512 kernel
     file alone is most of a build (about 37 of 42 s on two cores; 51 s one file at a time), so
