@@ -267,11 +267,9 @@ class WithCached:
     def __call__(self, rows, run):
         v, detail, used = self.inner(rows, run)
         r = rows[0].result
-        if v is None:  # not judged: the inner metric's reason alone
+        if v is None or "cached_share" not in r:  # not judged (its reason alone), or no reference
             return v, detail, used
         ws, llc = r.get("cached_working_set_bytes"), (run or {}).get("llc_bytes")
-        if "cached_share" not in r:
-            return v, detail, used
         if ws and llc and ws > llc / 2:
             extra = (f"the same calls on one layer's adapters would not stay in cache here "
                      f"({fmt_bytes(ws)} > half the {fmt_bytes(llc)} last-level cache): not shown")
