@@ -8,6 +8,7 @@
  * windows; N = 512 keeps the rows in L1, N = 4096 in L2.
  *
  *   gcc -O3 -mavx512f -mavx512bw -mavx512vl -mfma -mf16c -o /tmp/q8w benchmarks/q8_0_widen.c -lm
+ * (add -mavx512vbmi for the vpermt2b way, on a core that has VBMI)
  *   /tmp/q8w 4096
  */
 #include <immintrin.h>
@@ -42,6 +43,51 @@ static inline __m512 cvt_(const uint8_t *p, int k, int blk) {
     const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)0x80));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(d[k][blk]));
 }
+
+/* Exact ways with other ops (docs/performance.md, "Other exact builds").  Each block's float16
+ * scale as d = m 2^e, m a signed integer of up to 11 bits (mw: m in the low 16 bits of a lane) */
+static int32_t mw[K][NMAX / 32], mb[K][NMAX / 32];
+static float mf[K][NMAX / 32], ue[K][NMAX / 32], big8[K][NMAX / 32], off8[K][NMAX / 32];
+/* magic: b m exactly by vpmaddwd, added into the bits of M = 1.5 2^(23+e) less 128 m (mb: the
+ * bias), then M subtracted (exact): d q with no multiply on the FMA pipes */
+static inline __m512 magic_(const uint8_t *p, int k, int blk) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i n = _mm512_add_epi32(_mm512_madd_epi16(b, _mm512_set1_epi32(mw[k][blk])),
+                                       _mm512_set1_epi32(mb[k][blk]));
+    return _mm512_sub_ps(_mm512_castsi512_ps(n), _mm512_set1_ps(mf[k][blk]));
+}
+/* imul: q m exactly by vpmaddwd, int-to-float, and the scale's 2^e moved into u (ue = u 2^e,
+ * exact), so the FMA's product is d q u itself: the multiply on the integer pipes */
+static inline __m512 imul_(const uint8_t *p, int k, int blk) {
+    const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)0x80));
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_cvtepi8_epi32(b), _mm512_set1_epi32(mw[k][blk])));
+}
+/* zx15: zero extension, the byte into bits 15..22 of 1.0f (1 + b/256) by a shift and an or,
+ * then fmsub by 256 d and 384 d: shuffle's arithmetic without the byte shuffle */
+static inline __m512 zx15_(const uint8_t *p, int k, int blk) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512 v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(b, 15), _mm512_set1_epi32(0x3f800000)));
+    return _mm512_fmsub_ps(v, _mm512_set1_ps(big8[k][blk]), _mm512_set1_ps(off8[k][blk]));
+}
+#ifdef __AVX512VBMI__
+/* perm2: one vpermt2b takes the byte and the bits of 1.0f from two registers (no merge mask),
+ * then shuffle's fmsub (build with -mavx512vbmi) */
+static inline __m512 perm2_(const uint8_t *p, int k, int blk) {
+    const __m512i idx = _mm512_set_epi32(0x43420f40, 0x43420e40, 0x43420d40, 0x43420c40, 0x43420b40, 0x43420a40,
+                                         0x43420940, 0x43420840, 0x43420740, 0x43420640, 0x43420540, 0x43420440,
+                                         0x43420340, 0x43420240, 0x43420140, 0x43420040);
+    const __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    const __m512 v = _mm512_castsi512_ps(_mm512_permutex2var_epi8(raw, idx, _mm512_set1_epi32(0x3f800000)));
+    return _mm512_fmsub_ps(v, _mm512_set1_ps(big[k][blk]), _mm512_set1_ps(off[k][blk]));
+}
+#endif
+/* not a way (its values are q, not d q): cvt without its multiply, what that multiply costs */
+static inline __m512 nomul_(const uint8_t *p, int k, int blk) {
+    (void)k, (void)blk;
+    const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)0x80));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
 static inline __m512 f32_(const uint8_t *p, int k, int blk) {
     (void)blk;
     return _mm512_loadu_ps(&fq[k][p - q[k]]);
@@ -62,6 +108,24 @@ static inline __m512 f32_(const uint8_t *p, int k, int blk) {
     }
 LOOP(f32_w2, f32_, 2) LOOP(shuffle_w2, shuffle_, 2) LOOP(shuffle_w4, shuffle_, 4)
 LOOP(cvt_w2, cvt_, 2) LOOP(cvt_w4, cvt_, 4)
+LOOP(magic_w4, magic_, 4) LOOP(zx15_w4, zx15_, 4) LOOP(nomul_w4, nomul_, 4)
+#ifdef __AVX512VBMI__
+LOOP(perm2_w4, perm2_, 4)
+#endif
+/* imul: the loop with the FMA's other operand u 2^e, one per row and block */
+static __attribute__((noinline)) void imul_w4(void) {
+    for (int i = 0; i < N; i += 64) {
+        __m512 acc[4];
+        for (int w = 0; w < 4; w++) acc[w] = _mm512_setzero_ps();
+        for (int k = 0; k < K; k++)
+            for (int w = 0; w < 4; w++) {
+                const int blk = (i + 16 * w) >> 5;
+                acc[w] = _mm512_fmadd_ps(imul_(&q[k][i + 16 * w], k, blk), _mm512_set1_ps(ue[k][blk]), acc[w]);
+            }
+        for (int w = 0; w < 4; w++)
+            _mm512_storeu_ps(out + i + 16 * w, _mm512_add_ps(_mm512_loadu_ps(out + i + 16 * w), acc[w]));
+    }
+}
 
 /* bfloat16 as the library's decode reads it: 32 values a load, even and odd lanes by vpshufb */
 static __attribute__((noinline)) void bf16_w2(void) {
@@ -99,6 +163,17 @@ int main(int argc, char **argv) {
             d[k][b] = _cvtsh_ss(_cvtss_sh(x, 0));
             big[k][b] = d[k][b] * 32768.0f;
             off[k][b] = big[k][b] + big[k][b] / 256.0f;
+            big8[k][b] = 256.0f * d[k][b];
+            off8[k][b] = 384.0f * d[k][b];
+            int e; /* d = m 2^e: frexp's d = f 2^e' with |f| in [0.5, 1), m = f 2^11, e = e' - 11 */
+            const int m = (int)ldexpf(frexpf(d[k][b], &e), 11);
+            e -= 11;
+            mw[k][b] = m & 0xffff;
+            ue[k][b] = ldexpf(u[k], e);
+            mf[k][b] = ldexpf(1.5f, 23 + e);
+            int32_t bits;
+            memcpy(&bits, &mf[k][b], sizeof bits);
+            mb[k][b] = bits - 128 * m;
         }
         for (int i = 0; i < N; i++) {
             q[k][i] = (uint8_t)rand();
@@ -111,6 +186,12 @@ int main(int argc, char **argv) {
         {"bfloat16, 2 chains (even/odd)", bf16_w2, -1},
         {"q8_0 shuffle, 2 chains", shuffle_w2, 1}, {"q8_0 shuffle, 4 chains", shuffle_w4, 1},
         {"q8_0 cvt, 2 chains", cvt_w2, 1}, {"q8_0 cvt, 4 chains", cvt_w4, 1},
+        {"q8_0 magic (integer add), 4 chains", magic_w4, 1}, {"q8_0 imul (vpmaddwd), 4 chains", imul_w4, 1},
+        {"q8_0 zx15 (shift and or), 4 chains", zx15_w4, 1},
+#ifdef __AVX512VBMI__
+        {"q8_0 perm2 (vpermt2b), 4 chains", perm2_w4, 1},
+#endif
+        {"cvt without the multiply (not d q)", nomul_w4, 0},
     };
     const int n_ways = (int)(sizeof ways / sizeof ways[0]);
     static float want[NMAX];
