@@ -482,3 +482,31 @@ def test_the_set_step_and_the_sweep_say_what_their_arithmetic_takes_from_cache()
     q8.result["cached_working_set_bytes"] = 20 << 20
     _, big, _ = metric([q8], {"llc_bytes": 32 << 20})
     assert "would not stay in cache here" in big and "0.89 of its time" not in big
+
+
+@pytest.mark.parametrize("name, args, expect", [
+    ("q8_0_widen.c", ["64"], "every q8_0 way gives the float32 bits"),
+    ("q8_0_readahead.c", ["1"], "cold hides"),
+])
+def test_the_c_benchmarks_build_and_run(name, args, expect, tmp_path):
+    """The standalone C benchmarks docs/performance.md quotes cannot rot: each builds with the
+    command its header gives, and where the CPU has AVX-512 a tiny run finishes (q8_0_widen.c
+    first checks that every q8_0 way gives the float32 loop's bits, and exits 1 if one does not)."""
+    import platform
+    import shutil
+    import subprocess
+
+    from lora._runtime import available_isas
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("gcc"):
+        pytest.skip("x86-64 with gcc only")
+    exe = tmp_path / name[:-2]
+    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]
+    built = subprocess.run(["gcc", *flags, "-Wall", "-Werror", "-o", str(exe), str(BENCH / name), "-lm"],
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    if "avx512" not in available_isas():
+        return
+    done = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert expect in done.stdout
