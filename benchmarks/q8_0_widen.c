@@ -57,7 +57,9 @@ static inline __m512 magic_(const uint8_t *p, int k, int blk) {
     return _mm512_sub_ps(_mm512_castsi512_ps(n), _mm512_set1_ps(mf[k][blk]));
 }
 /* imul: q m exactly by vpmaddwd, int-to-float, and the scale's 2^e moved into u (ue = u 2^e,
- * exact), so the FMA's product is d q u itself: the multiply on the integer pipes */
+ * exact while it stays a normal float32: here u >= 0.01), so the FMA's product is d q u
+ * itself: the multiply on the integer pipes.  ue is made outside the timed loop; a kernel
+ * would make it per row and block each call. */
 static inline __m512 imul_(const uint8_t *p, int k, int blk) {
     const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)0x80));
     return _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_cvtepi8_epi32(b), _mm512_set1_epi32(mw[k][blk])));
