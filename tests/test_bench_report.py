@@ -473,6 +473,14 @@ def test_the_set_step_and_the_sweep_say_what_their_arithmetic_takes_from_cache()
     value, detail, _ = metric([q8], {"llc_bytes": 32 << 20})
     assert value == pytest.approx(21 / 18)
     assert "from cache: 16.00 ms = 0.89 of its time, 0.56x bf16's from cache" in detail
+    # the ceiling of reading ahead: bf16's 21 ms over q8_0's 16 ms of arithmetic from cache
+    assert "this value would be at most 1.31" in detail
+    # the same ceiling on a share of the DRAM read: 600 MiB in 16 ms against a 50 GB/s read
+    q8.result["gb_per_s"] = (600 << 20) / 18e-3 / 1e9
+    run = {"llc_bytes": 32 << 20, "bw": {"DRAM": {"bytes_per_s": 50e9}}}
+    share, detail, _ = targets.WithCached(targets.DramShare())([q8], run)
+    assert share == pytest.approx((600 << 20) / 18e-3 / 50e9)
+    assert f"at most {(600 << 20) / 16e-3 / 50e9:.2f}" in detail
     # a row that was not judged keeps its own reason alone
     lone = row("q8_0", 18.0, 16.0)
     runner.analyse(wl, lone.result, None, None, 2, caches, {})
