@@ -478,9 +478,19 @@ def test_the_set_step_and_the_sweep_say_what_their_arithmetic_takes_from_cache()
     # the same ceiling on a share of the DRAM read: 600 MiB in 16 ms against a 50 GB/s read
     q8.result["gb_per_s"] = (600 << 20) / 18e-3 / 1e9
     run = {"llc_bytes": 32 << 20, "bw": {"DRAM": {"bytes_per_s": 50e9}}}
-    share, detail, _ = targets.WithCached(targets.DramShare())([q8], run)
+    dram = targets.WithCached(targets.DramShare(), cap=1.0)
+    share, detail, _ = dram([q8], run)
     assert share == pytest.approx((600 << 20) / 18e-3 / 50e9)
     assert f"at most {(600 << 20) / 16e-3 / 50e9:.2f}" in detail
+    # a ceiling past the DRAM read itself is not one: the arithmetic does not bound that row
+    q8.result["gb_per_s"] *= 2
+    assert "could reach 1: the arithmetic does not bound it" in dram([q8], run)[1]
+    # a reference as slow as the row (noise), or of no time, gives no ceiling and no error
+    for bad in (1.2, 0.0):
+        q8.result["cached_share"] = bad
+        _, detail, _ = metric([q8], {"llc_bytes": 32 << 20})
+        assert f"no ceiling (the reference took {bad:.2f} of the row's time)" in detail and "at most" not in detail
+    q8.result["cached_share"] = 16 / 18
     # a row that was not judged keeps its own reason alone
     lone = row("q8_0", 18.0, 16.0)
     runner.analyse(wl, lone.result, None, None, 2, caches, {})
