@@ -478,7 +478,7 @@ def test_the_set_step_and_the_sweep_say_what_their_arithmetic_takes_from_cache()
     # the same ceiling on a share of the DRAM read: 600 MiB in 16 ms against a 50 GB/s read
     q8.result["gb_per_s"] = (600 << 20) / 18e-3 / 1e9
     run = {"llc_bytes": 32 << 20, "bw": {"DRAM": {"bytes_per_s": 50e9}}}
-    dram = targets.WithCached(targets.DramShare(), cap=1.0)
+    dram = targets.WithCached(targets.DramShare())
     share, detail, _ = dram([q8], run)
     assert share == pytest.approx((600 << 20) / 18e-3 / 50e9)
     assert f"at most {(600 << 20) / 16e-3 / 50e9:.2f}" in detail
